@@ -1,0 +1,17 @@
+"""gradlab: what does each token's gradient get in group-relative RL, and does the shared part cancel?
+
+Core (MATH.md §1–3, §5): `TokenBatch`, `advantages`, `objectives.get(name)` (loss and
+closed-form modulation W), `shared_nodes`, `cancellation`, `attribution`.
+"""
+
+from . import objectives
+from .batch import TokenBatch, advantages
+from .cancellation import Cancellation, attribution, cancellation
+from .nodes import SharedNodes, shared_nodes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TokenBatch", "advantages", "objectives", "shared_nodes", "SharedNodes", "cancellation",
+    "Cancellation", "attribution",
+]

@@ -1,0 +1,181 @@
+"""The batch every objective and probe reads, and group-relative advantages.
+
+A `TokenBatch` holds B sequences of T *response* positions (prompt tokens are not in it;
+rows with the same `group` value share a prompt). Responses are right-padded: `mask` is True
+on response tokens. Spec: MATH.md §1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+
+
+@dataclass
+class TokenBatch:
+    """B sequences × T response positions of a group-relative RL step.
+
+    Fields (B = sequences, T = response positions):
+      tokens      (B, T) long   — response token ids (padding anywhere the mask is False)
+      mask        (B, T) bool   — True on response tokens that enter the loss
+      logps       (B, T) float  — log π_θ(y_t | x, y_<t) of the current policy (may require grad)
+      old_logps   (B, T) float  — log π_old of the behaviour policy
+      advantages  (B,)   float  — A_i (see `advantages`)
+      group       (B,)   long   — rows with equal values belong to one prompt's group;
+                                  rows of a group need not be contiguous
+      ref_logps   (B, T) float or None — reference policy, only for a KL term (beta > 0)
+
+    Construction validates shapes, dtypes, devices and finiteness (on masked-in positions) and
+    raises ValueError naming the field at fault. Set `validate=False` to skip the finiteness
+    check (it syncs the device once) in a hot loop whose inputs are already trusted.
+    """
+
+    tokens: Tensor
+    mask: Tensor
+    logps: Tensor
+    old_logps: Tensor
+    advantages: Tensor
+    group: Tensor
+    ref_logps: Tensor | None = None
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        _check_batch(self)
+
+    @property
+    def B(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) long — T_i, the number of masked-in response tokens of each row."""
+        return self.mask.sum(-1)
+
+    def replace(self, **changes) -> TokenBatch:
+        """A copy with some fields replaced (validated again)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw.update(changes)
+        return TokenBatch(**kw)
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, Tensor):
+                kw[k] = v.to(device)
+        return TokenBatch(**kw)
+
+
+def _check_batch(b: TokenBatch) -> None:
+    if not isinstance(b.tokens, Tensor) or b.tokens.dim() != 2:
+        raise ValueError(f"TokenBatch.tokens must be a (B, T) tensor, got {_desc(b.tokens)}")
+    B, T = b.tokens.shape
+    if b.tokens.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"TokenBatch.tokens must be an integer tensor, got {b.tokens.dtype}")
+    expect = {
+        "mask": (B, T), "logps": (B, T), "old_logps": (B, T), "advantages": (B,), "group": (B,),
+    }
+    if b.ref_logps is not None:
+        expect["ref_logps"] = (B, T)
+    for name, shape in expect.items():
+        v = getattr(b, name)
+        if not isinstance(v, Tensor):
+            raise ValueError(f"TokenBatch.{name} must be a tensor of shape {shape}, got {_desc(v)}")
+        if tuple(v.shape) != shape:
+            raise ValueError(
+                f"TokenBatch.{name} has shape {tuple(v.shape)}, expected {shape} "
+                f"(tokens is {tuple(b.tokens.shape)})"
+            )
+        if v.device != b.tokens.device:
+            raise ValueError(
+                f"TokenBatch.{name} is on {v.device} but tokens is on {b.tokens.device}"
+            )
+    if b.mask.dtype != torch.bool:
+        raise ValueError(f"TokenBatch.mask must be bool, got {b.mask.dtype}")
+    if b.group.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"TokenBatch.group must be an integer tensor, got {b.group.dtype}")
+    for name in ("logps", "old_logps", "advantages", "ref_logps"):
+        v = getattr(b, name)
+        if v is not None and not v.is_floating_point():
+            raise ValueError(f"TokenBatch.{name} must be floating point, got {v.dtype}")
+    if b.validate:
+        _check_finite(b)
+
+
+def _check_finite(b: TokenBatch) -> None:
+    for name in ("logps", "old_logps", "ref_logps"):
+        v = getattr(b, name)
+        if v is None:
+            continue
+        bad = ~torch.isfinite(v.detach()) & b.mask
+        if bool(bad.any()):
+            i, t = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"TokenBatch.{name} is not finite at row {i}, position {t} "
+                f"(value {v[i, t].item()}, group {int(b.group[i])})"
+            )
+    bad = ~torch.isfinite(b.advantages.detach())
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"TokenBatch.advantages is not finite at row {i} (group {int(b.group[i])})")
+
+
+def _desc(v: object) -> str:
+    if isinstance(v, Tensor):
+        return f"tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
+    return type(v).__name__
+
+
+def group_index(group: Tensor) -> tuple[Tensor, Tensor]:
+    """Map arbitrary group labels to 0..n_groups-1.
+
+    Returns (gid (B,) long, sizes (n_groups,) long).
+    """
+    _, gid = torch.unique(group, return_inverse=True)
+    sizes = torch.bincount(gid)
+    return gid, sizes
+
+
+def advantages(
+    rewards: Tensor, group: Tensor, scale: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """Group-relative advantages A_i = (R_i − mean_g R) / (std + eps)  (MATH.md §1).
+
+    rewards (B,) float, group (B,) int → (B,) float in the dtype of rewards.
+    scale: "group" (std of the row's group, unbiased as in TRL), "batch" (std of all rewards),
+    "none" (no division). A group of one gets A = 0 (its own mean; our convention).
+    Raises ValueError naming the row and group of a NaN/inf reward.
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"advantages: unknown scale {scale!r}; valid: {ADVANTAGE_SCALES}")
+    if rewards.dim() != 1 or group.shape != rewards.shape:
+        raise ValueError(
+            f"advantages: rewards and group must both be (B,), got {tuple(rewards.shape)} "
+            f"and {tuple(group.shape)}"
+        )
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    bad = ~torch.isfinite(rewards)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"advantages: reward of row {i} (group {int(group[i])}) is {rewards[i].item()}"
+        )
+    gid, sizes = group_index(group)
+    n = sizes.to(rewards.dtype)
+    mean = torch.zeros_like(n).index_add_(0, gid, rewards) / n  # (n_groups,)
+    centred = rewards - mean[gid]  # (B,)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        ss = torch.zeros_like(n).index_add_(0, gid, centred**2)
+        std = (ss / (n - 1).clamp(min=1)).sqrt()[gid]  # unbiased; a group of one has std 0
+    else:
+        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
+    return centred / (std + eps)

@@ -1,0 +1,117 @@
+"""Does the gradient on shared tokens cancel? The residual report of MATH.md §3.
+
+At node n with members S_n: net coefficient c_n = Σ_{S_n} W_{i,t_n}; exchangeable reference
+c*_n = k_n Σ_{S_n} A_i with k_n = Σ|W| / Σ|A| (c* = 0 exactly for a full-group node, where
+Σ A = 0); residual d_n = c_n − c*_n. Headline: ρ = Σ_n |d_n| / Σ_n Σ_{S_n} |W| ∈ [0, 1].
+Defined results: ρ = 0 when there is no shared mass (no nodes, or W = 0 there).
+Takes any W — closed form or hook-measured — and assumes nothing about the objective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from .batch import TokenBatch
+from .nodes import SharedNodes, shared_nodes
+
+
+@dataclass
+class NodeCoefficients:
+    """Per-node tensors, (N,) each: c, c_star, d, mass = Σ|W|, plus the node structure."""
+
+    sn: SharedNodes
+    c: Tensor
+    c_star: Tensor
+    d: Tensor
+    mass: Tensor
+    adv_sum: Tensor
+
+
+def node_coefficients(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> NodeCoefficients:
+    """Device-side per-node sums (no host sync)."""
+    dt = W.dtype if W.dtype in (torch.float32, torch.float64) else torch.float32
+    W = W.detach().to(dt)
+    sh = sn.node >= 0
+    idx = sn.node[sh]
+    z = torch.zeros(sn.n, dtype=dt, device=W.device)
+    A = batch.advantages.detach().to(dt).unsqueeze(-1).expand_as(W)[sh]
+    c = z.index_add(0, idx, W[sh])
+    mass = z.index_add(0, idx, W[sh].abs())
+    adv_sum = z.index_add(0, idx, A)
+    abs_adv = z.index_add(0, idx, A.abs())
+    k = torch.where(abs_adv > 0, mass / torch.where(abs_adv > 0, abs_adv, 1), 0)
+    c_star = torch.where(sn.full, 0, k * adv_sum)
+    return NodeCoefficients(sn, c, c_star, c - c_star, mass, adv_sum)
+
+
+@dataclass
+class Cancellation:
+    """ρ (`ratio`), Σ|d| (`residual`), Σ|W| at nodes (`mass`), the share of response tokens
+    that sit at a node (`shared_fraction`), node count, and `.nodes`, one DataFrame row per node.
+    """
+
+    ratio: float
+    residual: float
+    mass: float
+    shared_fraction: float
+    n_nodes: int
+    kind: str
+    coef: NodeCoefficients
+
+    @property
+    def nodes(self) -> pd.DataFrame:
+        """Columns: group, position, members, token, c (net coefficient), c_star (exchangeable
+        reference), d (residual), mass (Σ|W|), full (spans the whole group)."""
+        k, sn = self.coef, self.coef.sn
+        cols = {"group": sn.group, "position": sn.position, "members": sn.size,
+                "token": sn.token, "c": k.c, "c_star": k.c_star, "d": k.d, "mass": k.mass,
+                "full": sn.full}
+        return pd.DataFrame({n: v.detach().cpu().numpy() for n, v in cols.items()})
+
+    def summary(self) -> dict:
+        return {"ratio": self.ratio, "residual": self.residual, "mass": self.mass,
+                "shared_fraction": self.shared_fraction, "n_nodes": self.n_nodes}
+
+
+def cancellation(
+    W: Tensor, batch: TokenBatch, nodes: str = "prefix", sn: SharedNodes | None = None
+) -> Cancellation:
+    """Residual report for modulation W (B, T) on `batch` at "prefix" or "trie" nodes.
+
+    Pass a precomputed `sn` (from `shared_nodes`) to reuse the structure across objectives.
+    """
+    if W.shape != batch.tokens.shape:
+        raise ValueError(f"cancellation: W has shape {tuple(W.shape)}, batch is {tuple(batch.tokens.shape)}")
+    if not bool(torch.isfinite(W.detach()[batch.mask]).all()):
+        raise ValueError("cancellation: W is not finite at some masked-in position")
+    sn = shared_nodes(batch, nodes) if sn is None else sn
+    k = node_coefficients(W, batch, sn)
+    residual, mass = k.d.abs().sum(), k.mass.sum()
+    ratio = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1), 0)
+    n_tok = batch.mask.sum().clamp(min=1)
+    frac = (sn.node >= 0).sum() / n_tok
+    r, res, m, f = torch.stack([ratio, residual, mass, frac.to(ratio.dtype)]).tolist()  # one sync
+    return Cancellation(min(max(r, 0.0), 1.0), res, m, f, sn.n, sn.kind, k)
+
+
+def attribution(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str, float]:
+    """Share of the residual Σ|d| that each mechanism accounts for (MATH.md §3, Attribution).
+
+    For each of "coupling", "length", "clip": recompute the closed-form W with that mechanism
+    switched off and report (res − res_off) / res (0 when res = 0; can be negative when
+    switching a mechanism off increases the residual). Group splitting is a property of the
+    batch, not of the objective: it is measured by the loop (share of split groups).
+    """
+    from .objectives import MECHANISMS
+
+    sn = shared_nodes(batch, nodes)
+    res = cancellation(objective.modulation(batch), batch, sn=sn).residual
+    out = {"residual": res}
+    for mech in MECHANISMS:
+        r_off = cancellation(objective.modulation(batch, off=(mech,)), batch, sn=sn).residual
+        out[mech] = (res - r_off) / res if res > 0 else 0.0
+    return out

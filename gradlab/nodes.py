@@ -1,0 +1,136 @@
+"""Where a group's responses share a token: full-group prefix nodes and prefix-trie nodes.
+
+Two rows of one group share position t when both are masked in at t and agree on every token
+(and mask state) up to and including t (MATH.md §3). Shared positions form a prefix trie; a
+*node* is one (group, position, member set) with ≥ 2 members. A *prefix* (full-group) node is
+a node whose members are every row of its group present in the batch.
+
+Vectorised: rows are packed into a (n_groups, G_max, T) grid, pairwise longest-common-prefix
+lengths are computed once, and node membership follows from `lcp > t`. Cost O(n_groups ·
+G_max² · T) memory and time, linear in T; no Python loop over tokens or over pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .batch import TokenBatch, group_index
+
+NODE_KINDS = ("prefix", "trie")
+
+
+@dataclass
+class SharedNodes:
+    """The shared-token structure of a batch.
+
+    node       (B, T) long — node id of each (row, position), −1 where the position is not shared
+    group      (N,) long   — the node's group label (as in batch.group)
+    position   (N,) long   — the node's response position t
+    size       (N,) long   — number of members |S_n|
+    token      (N,) long   — the shared token id
+    rep        (N,) long   — one member row (the smallest row index), rep(n) of MATH.md §3
+    full       (N,) bool   — True when the node spans its whole group (a prefix node)
+    kind       "prefix" or "trie"
+    """
+
+    node: Tensor
+    group: Tensor
+    position: Tensor
+    size: Tensor
+    token: Tensor
+    rep: Tensor
+    full: Tensor
+    kind: str
+
+    @property
+    def n(self) -> int:
+        return int(self.group.numel())
+
+    def members(self, n: int) -> Tensor:
+        """Row indices of node n's members, (|S_n|,) long."""
+        t = int(self.position[n])
+        return (self.node[:, t] == n).nonzero().squeeze(-1)
+
+    def shared_mask(self) -> Tensor:
+        """(B, T) bool — positions that belong to a node."""
+        return self.node >= 0
+
+
+def _pack(batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Pack rows into a (n_groups, G_max, T) grid.
+
+    Returns (slot (B,) — flat index gid * G_max + rank of each row, gid (B,), sizes, G_max).
+    """
+    gid, sizes = group_index(batch.group)
+    order = torch.argsort(gid, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes  # (n_groups,)
+    rank = torch.empty_like(gid)
+    rank[order] = torch.arange(gid.numel(), device=gid.device) - starts[gid[order]]
+    g_max = int(sizes.max()) if sizes.numel() else 1
+    return gid * g_max + rank, gid, sizes, torch.tensor(g_max)
+
+
+def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
+    """Find the shared-token nodes of a batch (MATH.md §3).
+
+    nodes="prefix": full-group nodes only (all rows of the group agree up to t);
+    nodes="trie": every node of each group's prefix trie with ≥ 2 members (prefix nodes included).
+    """
+    if nodes not in NODE_KINDS:
+        raise ValueError(f"shared_nodes: unknown nodes={nodes!r}; valid: {NODE_KINDS}")
+    B, T = batch.tokens.shape
+    dev = batch.tokens.device
+    slot, gid, sizes, g_max_t = _pack(batch)
+    g_max, n_groups = int(g_max_t), int(sizes.numel())
+    # Grid of effective tokens: masked-out positions become −1 so the mask state is compared too.
+    eff = torch.where(batch.mask, batch.tokens.long(), torch.full_like(batch.tokens.long(), -1))
+    grid = torch.full((n_groups * g_max, T), -2, dtype=torch.long, device=dev)
+    grid[slot] = eff
+    gmask = torch.zeros((n_groups * g_max, T), dtype=torch.bool, device=dev)
+    gmask[slot] = batch.mask
+    grid = grid.view(n_groups, g_max, T)
+    gmask = gmask.view(n_groups, g_max, T)
+
+    # Pairwise longest common prefix, (n_groups, G, G).
+    neq = grid.unsqueeze(2) != grid.unsqueeze(1)  # (n, G, G, T)
+    any_neq = neq.any(-1)
+    lcp = torch.where(any_neq, neq.to(torch.uint8).argmax(-1), torch.full_like(any_neq, T, dtype=torch.long))
+    del neq
+    pos = torch.arange(T, device=dev)
+    # share[g, i, j, t]: rows i and j of group g share position t.
+    share = (pos < lcp.unsqueeze(-1)) & gmask.unsqueeze(2) & gmask.unsqueeze(1)
+    count = share.sum(2)  # (n, G, T) — |S| of the node (i, t) is in (0 where i is masked out)
+    first = share.to(torch.uint8).argmax(2)  # (n, G, T) — smallest member rank
+    del share
+
+    in_node = count >= 2
+    if nodes == "prefix":
+        in_node &= count == sizes.view(-1, 1, 1)
+    # Flat key (group, first member, t) identifies a node; back to batch rows via slot.
+    key = (torch.arange(n_groups, device=dev).view(-1, 1, 1) * g_max + first) * T + pos
+    key = key.view(n_groups * g_max, T)[slot]  # (B, T)
+    in_node = in_node.view(n_groups * g_max, T)[slot]
+    count = count.view(n_groups * g_max, T)[slot]
+
+    node = torch.full((B, T), -1, dtype=torch.long, device=dev)
+    if bool(in_node.any()):
+        uniq, inv = torch.unique(key[in_node], return_inverse=True)
+        node[in_node] = inv
+        n_nodes = uniq.numel()
+        position = uniq % T
+        # Representative: the smallest batch row of the node.
+        rows = torch.arange(B, device=dev).view(-1, 1).expand(B, T)[in_node]
+        rep = torch.full((n_nodes,), B, dtype=torch.long, device=dev)
+        rep = rep.scatter_reduce(0, inv, rows, reduce="amin")
+        size = torch.zeros(n_nodes, dtype=torch.long, device=dev).scatter_(0, inv, count[in_node])
+        token = batch.tokens.long()[rep, position]
+        grp = batch.group.long()[rep]
+        full = size == sizes[gid[rep]]
+    else:
+        z = torch.zeros(0, dtype=torch.long, device=dev)
+        position = rep = size = token = grp = z
+        full = torch.zeros(0, dtype=torch.bool, device=dev)
+    return SharedNodes(node, grp, position, size, token, rep, full, nodes)

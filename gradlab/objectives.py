@@ -1,0 +1,316 @@
+"""The group-relative policy objectives and their closed-form token modulation W.
+
+Every objective is a loss L that depends on θ only through the per-token log-probs l_{i,t},
+so ∇θL = −Σ W_{i,t} ∇θ l_{i,t} with W := −∂L/∂l (MATH.md §2). Each objective gives
+  .loss(batch)        — the loss written the way a trainer writes it (differentiable in logps),
+  .modulation(batch)  — W from the closed form, (B, T), zero at masked positions,
+and the tests hold one against the autograd gradient of the other.
+
+Names: "grpo", "grpo-fix", "gspo", "gspo-token", "dfpo" (+ aliases "dfpo-min", "dfpo-orth").
+`.modulation(batch, off=...)` can switch mechanisms off for attribution (MATH.md §3):
+"coupling" (s_i → 1), "length" (T_i → the batch's mean length), "clip" (indicators → 1).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .batch import TokenBatch
+
+NORMS = ("seq", "token", "const")
+MECHANISMS = ("coupling", "length", "clip")
+
+
+def _f(x: Tensor) -> Tensor:
+    """Compute in float32 at least (bf16/fp16 inputs), float64 stays float64."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _lengths(batch: TokenBatch, off: tuple = ()) -> Tensor:
+    """(B,) float — T_i (≥ 1 so an empty row contributes 0, not NaN), or the mean length."""
+    T_i = batch.mask.sum(-1).to(_f(batch.logps).dtype)
+    if "length" in off:
+        pos = T_i[T_i > 0]
+        return torch.full_like(T_i, float(pos.mean()) if pos.numel() else 1.0)
+    return T_i.clamp(min=1)
+
+
+def _active(adv: Tensor, ratio: Tensor, eps: tuple[float, float]) -> Tensor:
+    """PPO clip indicator: False where the clipped branch of min(rA, clip(r)A) is taken."""
+    lo, hi = eps
+    return ~(((adv > 0) & (ratio > 1 + hi)) | ((adv < 0) & (ratio < 1 - lo)))
+
+
+def _ppo(ratio: Tensor, adv: Tensor, eps: tuple[float, float]) -> Tensor:
+    """Per-element PPO surrogate loss −min(rA, clip(r, 1−lo, 1+hi)A)."""
+    lo, hi = eps
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+
+
+class Objective:
+    """Base: holds parameters, the KL term and the (loss, stats) call."""
+
+    name = "base"
+
+    def __init__(self, beta: float = 0.0) -> None:
+        if beta < 0:
+            raise ValueError(f"{self.name}: beta must be ≥ 0, got {beta}")
+        self.beta = float(beta)
+
+    # --- to implement --------------------------------------------------------------------
+    def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        """(B, T) aggregation weight of each token's loss (0 at masked positions)."""
+        raise NotImplementedError
+
+    def policy_loss(self, batch: TokenBatch) -> Tensor:
+        raise NotImplementedError
+
+    def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        raise NotImplementedError
+
+    # --- shared --------------------------------------------------------------------------
+    def loss(self, batch: TokenBatch) -> Tensor:
+        """Scalar loss, differentiable w.r.t. batch.logps."""
+        return self.policy_loss(batch) + self._kl_loss(batch)
+
+    def modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        """Closed-form W = −∂loss/∂logps, (B, T) float (≥ float32), 0 at masked positions."""
+        bad = set(off) - set(MECHANISMS)
+        if bad:
+            raise ValueError(f"{self.name}: unknown mechanism(s) {sorted(bad)}; valid: {MECHANISMS}")
+        with torch.no_grad():
+            return self.policy_modulation(batch, tuple(off)) + self._kl_modulation(batch)
+
+    def __call__(self, batch: TokenBatch) -> tuple[Tensor, dict]:
+        """(loss, stats) — stats are detached tensors: clip_frac, mean ratio."""
+        loss = self.loss(batch)
+        with torch.no_grad():
+            stats = self.stats(batch)
+        return loss, stats
+
+    def stats(self, batch: TokenBatch) -> dict:
+        m = batch.mask
+        r = torch.exp(_f(batch.logps.detach()) - _f(batch.old_logps))
+        w = self.policy_modulation(batch)
+        w_noclip = self.policy_modulation(batch, ("clip",))
+        clipped = (w == 0) & (w_noclip != 0) & m
+        n = m.sum().clamp(min=1)
+        return {"clip_frac": clipped.sum() / n, "ratio_mean": (r * m).sum() / n}
+
+    def _kl(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        if batch.ref_logps is None:
+            raise ValueError(f"{self.name}: beta={self.beta} > 0 needs batch.ref_logps")
+        return _f(batch.ref_logps) - _f(batch.logps), batch.mask
+
+    def _kl_loss(self, batch: TokenBatch) -> Tensor:
+        if self.beta == 0:
+            return _f(batch.logps).new_zeros(())
+        d, m = self._kl(batch)
+        k3 = torch.exp(d) - d - 1  # (B, T) k3 estimator of KL(π_θ ‖ π_ref)
+        return self.beta * (k3 * self.norm(batch) * m).sum()
+
+    def _kl_modulation(self, batch: TokenBatch) -> Tensor:
+        if self.beta == 0:
+            return 0.0
+        d, m = self._kl(batch)
+        return self.beta * self.norm(batch) * (torch.exp(d) - 1) * m
+
+    def __repr__(self) -> str:
+        ps = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{self.name}({ps})"
+
+
+def _check_eps(name: str, eps) -> tuple[float, float]:
+    if isinstance(eps, (int, float)):
+        eps = (eps, eps)
+    if len(eps) != 2 or min(eps) < 0:
+        raise ValueError(f"{name}: eps must be a pair (lo, hi) of non-negative floats, got {eps!r}")
+    return float(eps[0]), float(eps[1])
+
+
+class GRPO(Objective):
+    """Token-ratio PPO-clip surrogate with group advantages (MATH.md §2 table).
+
+    norm: "seq" (original GRPO, per-sequence mean then batch mean: 1/(B T_i)),
+          "token" (DAPO token mean: 1/Σ_j T_j), "const" (Dr. GRPO: 1/(B T_max), T_max = max_len
+          or the batch's T).
+    """
+
+    name = "grpo"
+
+    def __init__(self, eps=(0.2, 0.2), norm: str = "token", max_len: int | None = None,
+                 beta: float = 0.0) -> None:
+        super().__init__(beta)
+        self.eps = _check_eps(self.name, eps)
+        if norm not in NORMS:
+            raise ValueError(f"{self.name}: unknown norm={norm!r}; valid: {NORMS}")
+        self.norm_kind, self.max_len = norm, max_len
+
+    def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        m = batch.mask.to(_f(batch.logps).dtype)
+        if self.norm_kind == "seq":
+            return m / (batch.B * _lengths(batch, off)).unsqueeze(-1)
+        if self.norm_kind == "token":
+            return m / m.sum().clamp(min=1)
+        return m / (batch.B * (self.max_len or batch.T))
+
+    def ratio(self, batch: TokenBatch) -> Tensor:
+        return torch.exp(_f(batch.logps) - _f(batch.old_logps))  # (B, T)
+
+    def active(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        return _active(batch.advantages.unsqueeze(-1), ratio, self.eps)
+
+    def policy_loss(self, batch: TokenBatch) -> Tensor:
+        adv = _f(batch.advantages).unsqueeze(-1)
+        per_token = _ppo(self.ratio(batch), adv, self.eps)  # (B, T)
+        return (per_token * self.norm(batch)).sum()
+
+    def weight(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> Tensor:
+        """w with W = A·w (MATH.md §5): (B, T) = norm · r · 1[active]."""
+        r = self.ratio(batch) if grad else self.ratio(batch).detach()
+        act = self.active(batch, r.detach())
+        if "clip" in off:
+            act = torch.ones_like(act)
+        return self.norm(batch, off) * r * act
+
+    def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        return _f(batch.advantages).unsqueeze(-1) * self.weight(batch, off)
+
+
+class GRPOFix(GRPO):
+    """GRPO-fix — *our reading* (MATH.md §5; the paper does not define it).
+
+    Token-level GRPO with constant length normalisation (1/(B T_max)) and clip decisions made
+    per shared node: at a node the ratio is the members' mean, and all members are kept when it
+    lies inside [1−lo, 1+hi], all dropped otherwise. Elsewhere the ordinary PPO clip.
+    This makes W at a shared token the same multiple of A_i for every member: exchangeable.
+    """
+
+    name = "grpo-fix"
+
+    def __init__(self, eps=(0.2, 0.2), nodes: str = "trie", max_len: int | None = None,
+                 beta: float = 0.0) -> None:
+        super().__init__(eps=eps, norm="const", max_len=max_len, beta=beta)
+        from .nodes import NODE_KINDS
+
+        if nodes not in NODE_KINDS:
+            raise ValueError(f"{self.name}: unknown nodes={nodes!r}; valid: {NODE_KINDS}")
+        self.nodes = nodes
+
+    def active(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
+        from .nodes import shared_nodes
+
+        act = super().active(batch, ratio)
+        sn = shared_nodes(batch, self.nodes)
+        sh = sn.node >= 0
+        if sn.n == 0:
+            return act
+        idx = sn.node[sh]
+        r_sum = torch.zeros(sn.n, dtype=ratio.dtype, device=ratio.device).index_add_(0, idx, ratio[sh])
+        r_node = r_sum / sn.size.to(ratio.dtype)  # (N,)
+        lo, hi = self.eps
+        keep = (r_node >= 1 - lo) & (r_node <= 1 + hi)
+        return act.masked_scatter(sh, keep[idx])
+
+    def policy_loss(self, batch: TokenBatch) -> Tensor:
+        r = self.ratio(batch)
+        adv = _f(batch.advantages).unsqueeze(-1)
+        act = self.active(batch, r.detach())
+        lo, hi = self.eps
+        per_token = -torch.where(act, r * adv, (r.clamp(1 - lo, 1 + hi) * adv).detach())
+        return (per_token * self.norm(batch)).sum()
+
+
+class GSPO(Objective):
+    """GSPO: sequence ratio s_i = exp(mean_t(l − l_old)), sequence clip, mean over sequences.
+
+    W_{i,t} = (1/B)(s_i/T_i) A_i 1[active_i]. Default eps = (3e-4, 4e-4) (GSPO paper).
+    """
+
+    name = "gspo"
+
+    def __init__(self, eps=(3e-4, 4e-4), beta: float = 0.0) -> None:
+        super().__init__(beta)
+        self.eps = _check_eps(self.name, eps)
+
+    def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        m = batch.mask.to(_f(batch.logps).dtype)
+        return m / (batch.B * _lengths(batch, off)).unsqueeze(-1)
+
+    def seq_ratio(self, batch: TokenBatch) -> Tensor:
+        """(B,) s_i; with gradient."""
+        d = (_f(batch.logps) - _f(batch.old_logps)) * batch.mask
+        return torch.exp(d.sum(-1) / _lengths(batch))
+
+    def policy_loss(self, batch: TokenBatch) -> Tensor:
+        per_seq = _ppo(self.seq_ratio(batch), _f(batch.advantages), self.eps)  # (B,)
+        return per_seq.mean()
+
+    def weight(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> Tensor:
+        """w with W = A·w: (B, T) = (1/B)(s_i/T_i) 1[active_i] on masked-in positions."""
+        s = self.seq_ratio(batch) if grad else self.seq_ratio(batch).detach()
+        act = _active(batch.advantages, s.detach(), self.eps)
+        if "clip" in off:
+            act = torch.ones_like(act)
+        if "coupling" in off:
+            s = torch.ones_like(s)
+        return self.norm(batch, off) * (s * act).unsqueeze(-1)
+
+    def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        return _f(batch.advantages).unsqueeze(-1) * self.weight(batch, off)
+
+
+class GSPOToken(GSPO):
+    """GSPO-token: s_{i,t} = sg(s_i) · π(y_t)/sg(π(y_t)), token loss, per-sequence mean.
+
+    Same value and the same W as GSPO when advantages are per sequence.
+    """
+
+    name = "gspo-token"
+
+    def policy_loss(self, batch: TokenBatch) -> Tensor:
+        lp = _f(batch.logps)
+        s = self.seq_ratio(batch).detach().unsqueeze(-1)
+        s_tok = s * torch.exp(lp - lp.detach())  # (B, T), value s_i
+        per_token = _ppo(s_tok, _f(batch.advantages).unsqueeze(-1), self.eps)
+        return (per_token * self.norm(batch)).sum()
+
+
+def _registry() -> dict[str, Callable[..., Objective]]:
+    from .dfpo import DFPO
+
+    return {
+        "grpo": GRPO,
+        "grpo-fix": GRPOFix,
+        "gspo": GSPO,
+        "gspo-token": GSPOToken,
+        "dfpo": DFPO,
+        "dfpo-min": lambda **kw: DFPO(**{"transform": "min", **kw}),
+        "dfpo-orth": lambda **kw: DFPO(**{"transform": "orth", **kw}),
+        "dfpo-scale": lambda **kw: DFPO(**{"transform": "scale", **kw}),
+    }
+
+
+def names() -> list[str]:
+    """The valid objective names."""
+    return list(_registry())
+
+
+def get(name: str, **params) -> Objective:
+    """Build an objective by name, e.g. get("grpo", norm="seq"), get("dfpo", transform="orth").
+
+    Unknown names and parameters raise ValueError listing the valid ones.
+    """
+    reg = _registry()
+    if name not in reg:
+        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(reg)}")
+    cls = {"dfpo-min": "dfpo", "dfpo-orth": "dfpo", "dfpo-scale": "dfpo"}.get(name, name)
+    valid = [p for p in inspect.signature(reg[cls]).parameters if p != "self"]
+    bad = [p for p in params if p not in valid]
+    if bad:
+        raise ValueError(f"objective {name!r}: unknown parameter(s) {bad}; valid: {valid}")
+    return reg[name](**params)

@@ -1,0 +1,210 @@
+"""Real rollouts (G samples per prompt) and per-token log-probs of a causal LM.
+
+Layout, used everywhere in gradlab:
+  prompts are left-padded   (N, P), responses are right-padded (N, T),
+  rows are group-major: row i belongs to prompt i // G.
+Position ids are computed from the attention mask (cumsum - 1), so a left-padded row sees the
+same positions as the unpadded sequence; `token_logps` therefore reproduces the behaviour
+log-probs `old_logps` recorded by `generate` (tested to ~1e-5 in float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Rollout:
+    """G sampled responses for each of N/G prompts. N = number of rows, P/T = prompt/response len."""
+
+    prompt_ids: torch.Tensor  # (N, P) long, left-padded with pad id
+    prompt_mask: torch.Tensor  # (N, P) bool, True on real prompt tokens
+    response_ids: torch.Tensor  # (N, T) long, right-padded with pad id
+    response_mask: torch.Tensor  # (N, T) bool, True on generated tokens incl. the EOS, False after
+    old_logps: torch.Tensor  # (N, T) float32, behaviour log-probs (nats) at the sampling temp; 0 masked
+    group: torch.Tensor  # (N,) long, prompt index: row i -> i // G
+    texts: list[str]  # decoded responses without EOS / pad
+    problems: list  # the Problem of each row
+    temperature: float = 1.0
+    rewards: torch.Tensor | None = None  # (N,) float32, set when `generate(task=...)` or `score`
+
+    @property
+    def G(self) -> int:
+        return len(self.texts) // (int(self.group.max()) + 1)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(N,) long, response tokens including EOS."""
+        return self.response_mask.sum(-1)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """A copy with every tensor moved to `device`."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return Rollout(**kw)
+
+
+def score(task, rollout: Rollout) -> torch.Tensor:
+    """(N,) float32 rewards of the rollout's responses under `task` (also stored on the rollout)."""
+    r = [task.reward(p, t) for p, t in zip(rollout.problems, rollout.texts)]
+    rollout.rewards = torch.tensor(r, dtype=torch.float32, device=rollout.response_ids.device)
+    return rollout.rewards
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """(N, L) position ids from a (N, L) attention mask: 0 at the first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _autocast(device: torch.device, amp: bool):
+    # bf16 autocast only on CUDA; on CPU we keep float32 so logps stay exact.
+    if amp and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+    """Sample one token per row by Gumbel-max; returns (token (N,), log-prob (N,) at temperature).
+
+    Gumbel-max with uniforms drawn from `generator` (on the generator's device) keeps sampling
+    deterministic and independent of the global RNG. temperature == 0 means greedy (logp of the
+    untempered distribution is returned then).
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logp = F.log_softmax(logits / temperature, dim=-1)  # (N, V)
+        gen_device = generator.device if generator is not None else logits.device
+        u = torch.rand(logp.shape, generator=generator, device=gen_device).to(logp.device)
+        gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
+        tok = (logp + gumbel).argmax(-1)
+    else:
+        logp = F.log_softmax(logits, dim=-1)
+        tok = logp.argmax(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _encode_prompts(tokenizer, prompts: list[str], device: torch.device):
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    if tokenizer.padding_side != "left":  # we rely on left padding for the sampling loop
+        raise ValueError("tokenizer.padding_side must be 'left'")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    problems: list,
+    G: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    amp: bool = False,
+    task=None,
+) -> Rollout:
+    """Sample G responses per problem with a KV cache; stop each row at its first EOS.
+
+    Deterministic given `generator` (a torch.Generator; None uses the global RNG). The model is
+    put in eval mode and restored afterwards. If `task` is given, rewards are scored too.
+    Note: special tokens other than EOS are not masked out of the sampling distribution, so
+    old_logps are exactly the model's log-probs at `temperature`.
+    """
+    device = next(model.parameters()).device
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = [p for p in problems for _ in range(G)]  # group-major
+    prompt_ids, prompt_mask = _encode_prompts(tokenizer, [p.prompt for p in rows], device)
+    N = len(rows)
+
+    was_training = model.training
+    model.eval()
+    mask = prompt_mask.long()  # (N, P + t) attention mask over everything so far
+    pos = _positions(prompt_mask)  # (N, P)
+    ids = prompt_ids
+    cache = None
+    toks, logps = [], []
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    with _autocast(device, amp):
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                        cache=cache, use_cache=True)
+            cache = out.cache
+            tok, lp = _sample(out.logits[:, -1], temperature, generator)
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            toks.append(tok)
+            logps.append(torch.where(done, torch.zeros_like(lp), lp))
+            done = done | (tok == eos_id)
+            if bool(done.all()):
+                break
+            # Feed the new token; finished rows keep attending (harmless, their outputs are unused).
+            ids, pos = tok[:, None], pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    model.train(was_training)
+
+    response_ids = torch.stack(toks, dim=1)  # (N, T)
+    old_logps = torch.stack(logps, dim=1).float()  # (N, T)
+    # Mask: True up to and including the first EOS (all True if the row was truncated).
+    is_eos = (response_ids == eos_id).long()
+    response_mask = (is_eos.cumsum(-1) - is_eos) == 0
+    response_ids = response_ids.masked_fill(~response_mask, pad_id)
+    old_logps = old_logps.masked_fill(~response_mask, 0.0)
+    texts = _decode(tokenizer, response_ids, response_mask, eos_id)
+    ro = Rollout(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        response_ids=response_ids, response_mask=response_mask, old_logps=old_logps,
+        group=torch.arange(N, device=device) // G, texts=texts, problems=rows,
+        temperature=temperature,
+    )
+    if task is not None:
+        score(task, ro)
+    return ro
+
+
+def _decode(tokenizer, response_ids, response_mask, eos_id) -> list[str]:
+    keep = response_mask & (response_ids != eos_id)
+    return [
+        tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
+        for r, m in zip(response_ids.cpu(), keep.cpu())
+    ]
+
+
+def token_logps(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    return_logprobs: bool = False,
+):
+    """Log-probs (nats) of the response tokens, with gradient, from one forward pass.
+
+    prompt_ids/prompt_mask: (N, P), left-padded; response_ids/response_mask: (N, T).
+    Returns logps (N, T) float32, 0 at masked positions. With return_entropy and/or
+    return_logprobs returns a tuple (logps, [entropy (N, T), 0 masked], [log-softmax (N, T, V)])
+    in that order, all at `temperature` (logits / temperature).
+    """
+    T = response_ids.shape[1]
+    ids = torch.cat([prompt_ids, response_ids], dim=1)  # (N, P + T)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask),
+                use_cache=False, logits_to_keep=T + 1)
+    logits = out.logits[:, :-1].float() / temperature  # (N, T, V): position t predicts token t
+    logprobs = F.log_softmax(logits, dim=-1)
+    logps = logprobs.gather(-1, response_ids[..., None]).squeeze(-1)
+    logps = logps.masked_fill(~response_mask, 0.0)
+    if not (return_entropy or return_logprobs):
+        return logps
+    result = [logps]
+    if return_entropy:
+        ent = -(logprobs.exp() * logprobs).sum(-1)
+        result.append(ent.masked_fill(~response_mask, 0.0))
+    if return_logprobs:
+        result.append(logprobs)
+    return tuple(result)

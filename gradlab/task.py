@@ -1,0 +1,216 @@
+"""Verifiable tasks with a sparse terminal reward.
+
+Two tasks share one interface (`problems`, `reward`, `solution_form`, `solutions`,
+`extract_answer`, `key`):
+
+- `ArithmeticTask`: seeded multi-digit addition. Prompt ``"34+57=?"``; the two equally correct
+  responses are ``"so 34+57=91"`` (form 0, operands in prompt order) and ``"so 57+34=91"``
+  (form 1, swapped). Every response of a group starts with the template prefix ``"so "``, so the
+  G responses of one prompt share their first tokens (the shared nodes of MATH.md section 3), and
+  the first operand is the branch point between the two solution forms (MATH.md section 4).
+- `JsonlTask`: any ``{"prompt": ..., "answer": ...}`` file (optional ``"solutions": [...]``).
+
+The answer extractor is the same for both: the text after the last ``"="`` of the response,
+stripped of whitespace (None when there is no ``"="``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEMPLATE_PREFIX = "so "
+# Well-formed arithmetic response: "so <int>+<int>=<int>".
+_FORMAT = re.compile(r"^so (\d+)\+(\d+)=(\d+)$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer (compared as a stripped string)."""
+
+    prompt: str
+    answer: str
+    solutions: tuple[str, ...] = field(default=(), compare=False)  # correct responses, by form
+
+
+def extract_answer(response: str) -> str | None:
+    """Text after the last '=' of `response`, stripped; None if there is no '=' or it is empty."""
+    if "=" not in response:
+        return None
+    ans = response.rsplit("=", 1)[1].strip()
+    return ans or None
+
+
+def _solution_form(problem: Problem, response: str) -> int | None:
+    """Index k of the correct solution that `response` equals (after strip), else None."""
+    try:
+        return problem.solutions.index(response.strip())
+    except ValueError:
+        return None
+
+
+class ArithmeticTask:
+    """Seeded addition of two `difficulty`-digit numbers; reward 1.0 iff the final answer is right.
+
+    difficulty: digits per operand (1..9). Operands are distinct, so the two forms differ.
+    seed: task-level seed, mixed into every `problems(n, seed)` call.
+    format_bonus: optional extra reward for a well-formed response ("so a+b=c"); 0 by default,
+        which keeps the reward purely terminal and binary.
+
+    The reward checks only the final answer (outcome reward, as in MATH.md section 1), so
+    "so 34+58=91" is rewarded 1.0 for the prompt "34+57=?"; `solution_form` is stricter and
+    returns a form only for an exactly correct response.
+    """
+
+    name = "arithmetic"
+
+    def __init__(self, difficulty: int = 2, seed: int = 0, format_bonus: float = 0.0):
+        if not 1 <= difficulty <= 9:
+            raise ValueError(f"difficulty must be in 1..9 digits, got {difficulty}")
+        self.difficulty = difficulty
+        self.seed = seed
+        self.format_bonus = format_bonus
+
+    @property
+    def key(self) -> str:
+        """Identifies the task for caching warm-started policies (seed does not change the task)."""
+        return f"arithmetic-d{self.difficulty}"
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Enough response tokens for "so a+b=c" plus EOS, with a little slack."""
+        return 3 + 2 * self.difficulty + 1 + (self.difficulty + 1) + 1 + 2
+
+    def make_problem(self, a: int, b: int) -> Problem:
+        """The problem a+b with both solution forms (form 0: a+b, form 1: b+a)."""
+        c = a + b
+        sols = (f"{TEMPLATE_PREFIX}{a}+{b}={c}", f"{TEMPLATE_PREFIX}{b}+{a}={c}")
+        return Problem(prompt=f"{a}+{b}=?", answer=str(c), solutions=sols)
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` problems, deterministic in (task seed, seed). Operands are distinct."""
+        rng = random.Random(self.seed * 1_000_003 + seed)
+        lo = 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
+        hi = 10**self.difficulty - 1
+        out = []
+        while len(out) < n:
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            if a != b:  # a == b would make the two forms identical
+                out.append(self.make_problem(a, b))
+        return out
+
+    extract_answer = staticmethod(extract_answer)
+
+    def is_well_formed(self, response: str) -> bool:
+        return _FORMAT.match(response.strip()) is not None
+
+    def reward(self, problem: Problem, response: str) -> float:
+        """1.0 if the extracted answer equals `problem.answer`, else 0.0 (+ optional format term)."""
+        r = 1.0 if extract_answer(response) == problem.answer else 0.0
+        if self.format_bonus and self.is_well_formed(response):
+            r += self.format_bonus
+        return r
+
+    def solution_form(self, problem: Problem, response: str) -> int | None:
+        """0 for "so a+b=c", 1 for "so b+a=c" (exactly, correct c), None for anything else."""
+        return _solution_form(problem, response)
+
+    def solutions(self, problem: Problem) -> list[str]:
+        """Both correct responses, [form 0, form 1]."""
+        if problem.solutions:
+            return list(problem.solutions)
+        a, b = (int(x) for x in problem.prompt.rstrip("=?").split("+"))
+        return list(self.make_problem(a, b).solutions)
+
+
+class JsonlTask:
+    """Problems from a JSONL file: one ``{"prompt": str, "answer": str}`` object per line.
+
+    An optional ``"solutions": [str, ...]`` per line gives correct responses (index = form); they
+    enable `warm_start` and `solution_form`. Blank lines are skipped; a malformed line raises
+    ValueError naming the file and the 1-based line number.
+
+    Answer extractor: the text after the last "=" of the response, stripped (see
+    `extract_answer`); the reward is 1.0 iff it equals the line's "answer" (stripped), else 0.0.
+    """
+
+    name = "jsonl"
+
+    def __init__(self, path: str | Path, seed: int = 0):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"JSONL task file not found: {self.path}")
+        self.seed = seed
+        raw = self.path.read_bytes()
+        self._digest = hashlib.sha1(raw).hexdigest()[:12]
+        self._items = self._parse(raw.decode("utf-8"))
+
+    def _parse(self, text: str) -> list[Problem]:
+        items = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{self.path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or "prompt" not in obj or "answer" not in obj:
+                raise ValueError(f'{where}: expected an object with "prompt" and "answer"')
+            sols = obj.get("solutions", [])
+            if not isinstance(sols, list) or not all(isinstance(s, str) for s in sols):
+                raise ValueError(f'{where}: "solutions" must be a list of strings')
+            items.append(Problem(str(obj["prompt"]), str(obj["answer"]).strip(), tuple(sols)))
+        if not items:
+            raise ValueError(f"{self.path}: no problems in file")
+        return items
+
+    @property
+    def key(self) -> str:
+        return f"jsonl-{self._digest}"
+
+    @property
+    def max_new_tokens(self) -> int:
+        longest = max((len(s) for p in self._items for s in p.solutions), default=16)
+        return longest + 4
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` problems: the file's lines in a seeded shuffled order, cycled (reshuffled per pass)."""
+        rng = random.Random(self.seed * 1_000_003 + seed)
+        out: list[Problem] = []
+        while len(out) < n:
+            order = list(range(len(self._items)))
+            rng.shuffle(order)
+            out.extend(self._items[i] for i in order[: n - len(out)])
+        return out
+
+    extract_answer = staticmethod(extract_answer)
+
+    def reward(self, problem: Problem, response: str) -> float:
+        return 1.0 if extract_answer(response) == problem.answer else 0.0
+
+    def solution_form(self, problem: Problem, response: str) -> int | None:
+        """Index of the line's solution that `response` equals (after strip), else None."""
+        return _solution_form(problem, response)
+
+    def solutions(self, problem: Problem) -> list[str]:
+        return list(problem.solutions)
+
+
+TASKS = ("arithmetic", "<path>.jsonl")
+
+
+def get_task(name_or_path: str, **kw) -> ArithmeticTask | JsonlTask:
+    """"arithmetic" -> ArithmeticTask(**kw); a path ending in .jsonl -> JsonlTask(path, **kw)."""
+    if name_or_path == "arithmetic":
+        return ArithmeticTask(**kw)
+    if str(name_or_path).endswith(".jsonl"):
+        return JsonlTask(name_or_path, **kw)
+    raise ValueError(f"unknown task {name_or_path!r}; valid values: {', '.join(TASKS)}")
