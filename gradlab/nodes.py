@@ -54,6 +54,17 @@ class SharedNodes:
         t = int(self.position[n])
         return (self.node[:, t] == n).nonzero().squeeze(-1)
 
+    def full_group(self) -> SharedNodes:
+        """The prefix (full-group) nodes of a trie structure, renumbered 0..N'-1."""
+        if self.kind == "prefix":
+            return self
+        keep = self.full
+        new_id = torch.cumsum(keep.long(), 0) - 1
+        node = torch.where(self.node >= 0, new_id[self.node.clamp(min=0)], -1)
+        node = torch.where((self.node >= 0) & keep[self.node.clamp(min=0)], node, -1)
+        f = [x[keep] for x in (self.group, self.position, self.size, self.token, self.rep, self.full)]
+        return SharedNodes(node, *f, kind="prefix")
+
     def shared_mask(self) -> Tensor:
         """(B, T) bool — positions that belong to a node."""
         return self.node >= 0
@@ -94,17 +105,27 @@ def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
     grid = grid.view(n_groups, g_max, T)
     gmask = gmask.view(n_groups, g_max, T)
 
-    # Pairwise longest common prefix, (n_groups, G, G).
-    neq = grid.unsqueeze(2) != grid.unsqueeze(1)  # (n, G, G, T)
-    any_neq = neq.any(-1)
-    lcp = torch.where(any_neq, neq.to(torch.uint8).argmax(-1), torch.full_like(any_neq, T, dtype=torch.long))
-    del neq
+    # Pairwise longest common prefix lcp[g, i, j], (n_groups, G, G): T − max over the
+    # disagreeing positions of (T − t) gives the first disagreement (an int reduction is far
+    # faster than argmax over bools).
     pos = torch.arange(T, device=dev)
-    # share[g, i, j, t]: rows i and j of group g share position t.
-    share = (pos < lcp.unsqueeze(-1)) & gmask.unsqueeze(2) & gmask.unsqueeze(1)
-    count = share.sum(2)  # (n, G, T) — |S| of the node (i, t) is in (0 where i is masked out)
-    first = share.to(torch.uint8).argmax(2)  # (n, G, T) — smallest member rank
-    del share
+    neq = grid.unsqueeze(2) != grid.unsqueeze(1)  # (n, G, G, T)
+    rev = torch.where(neq, (T - pos).to(torch.int32), 0)
+    lcp = T - rev.amax(-1).long()  # (n, G, G)
+    del neq, rev
+    # Row i is in node (i, t) with j iff t < lcp[i, j] (then both are masked in at t: a
+    # masked-out position has token −1 and breaks the common prefix). So, per row i:
+    #   count(t) = #{j : lcp_ij > t}   and   first(t) = min{j : lcp_ij > t},
+    # both from a scatter over lcp values and a reverse cumulative reduction over t — O(n G T).
+    lcp_c = lcp.clamp(max=T)  # index T+1 slots: value v means "shared for t < v"
+    hist = torch.zeros(n_groups, g_max, T + 1, dtype=torch.long, device=dev)
+    hist.scatter_add_(2, lcp_c, torch.ones_like(lcp_c))
+    count = hist.flip(-1).cumsum(-1).flip(-1)[..., 1:]  # (n, G, T): Σ_{v > t}
+    j = torch.arange(g_max, device=dev).view(1, 1, -1).expand_as(lcp_c)
+    mins = torch.full((n_groups, g_max, T + 1), g_max, dtype=torch.long, device=dev)
+    mins.scatter_reduce_(2, lcp_c, j, reduce="amin")
+    first = mins.flip(-1).cummin(-1).values.flip(-1)[..., 1:]  # (n, G, T)
+    count = count * gmask  # a masked-out position belongs to no node
 
     in_node = count >= 2
     if nodes == "prefix":

@@ -23,7 +23,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from gradlab.rollout import generate
+from tqdm.auto import tqdm
+
+from gradlab.rollout import generate, token_logps
 from gradlab.task import ArithmeticTask
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -88,3 +90,191 @@ def new_model(tokenizer, size: str = "tiny", seed: int = 0) -> Qwen3ForCausalLM:
 
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- warm start
+
+
+def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cpu"):
+    """Tokenize (prompt, response) pairs into the rollout layout; EOS is appended to responses.
+
+    Returns prompt_ids, prompt_mask (N, P) left-padded and response_ids, response_mask (N, T)
+    right-padded with the pad id (mask True on response tokens incl. EOS).
+    """
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    resp = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for r in responses]
+    T = max(len(r) for r in resp)
+    response_ids = torch.full((len(resp), T), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(resp), T), dtype=torch.bool)
+    for i, r in enumerate(resp):
+        response_ids[i, : len(r)] = torch.tensor(r)
+        response_mask[i, : len(r)] = True
+    return (enc["input_ids"].to(device), enc["attention_mask"].bool().to(device),
+            response_ids.to(device), response_mask.to(device))
+
+
+def _sft_batch(task, tokenizer, batch_size: int, step: int, seed: int, g: torch.Generator):
+    """A batch of correct solutions; each row picks form 0 or 1 with probability 1/2."""
+    problems = task.problems(batch_size, seed=1_000_000 * (seed + 1) + step)
+    responses = []
+    for p in problems:
+        sols = task.solutions(p)
+        responses.append(sols[int(torch.randint(len(sols), (1,), generator=g))])
+    return encode_pairs(tokenizer, [p.prompt for p in problems], responses)
+
+
+def warm_start(
+    task=None,
+    seed: int = 0,
+    steps: int | None = None,
+    progress: bool = True,
+    size: str = "tiny",
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    check_every: int = 20,
+    max_steps: int = 3000,
+    target: float = 0.35,
+):
+    """Supervised warm start of a fresh tiny Qwen3 on the task's correct solutions (both forms).
+
+    Cross-entropy on response tokens (incl. EOS), AdamW, batches of `batch_size` problems with
+    a uniformly random solution form per row, so the policy samples both forms.
+    steps=None: every `check_every` steps, measure accuracy at temperature 1.0 (128 samples) and
+        stop at the first check with accuracy >= `target` (0.35 sits inside the 20-60 %
+        ACCURACY_BAND with room for the estimate's noise and its upward selection bias);
+        give up after `max_steps`.
+    steps=int: train exactly that many steps (no checks).
+    Deterministic given `seed` (CPU, fixed thread count). Returns (model, tokenizer, info) with
+    info = {steps, accuracy (fresh 256-sample estimate), in_band, seconds, ...}.
+    """
+    task = task if task is not None else ArithmeticTask()
+    if not task.solutions(task.problems(1, seed=0)[0]):
+        raise ValueError(f"warm start needs correct solutions, but task {task.key} has none "
+                         '(add "solutions": [...] to each JSONL line)')
+    t0 = time.time()
+    tokenizer = build_tokenizer()
+    model = new_model(tokenizer, size=size, seed=seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    total = steps if steps is not None else max_steps
+    bar = tqdm(range(1, total + 1), desc="warm start", disable=not progress, leave=False)
+    acc, step = float("nan"), 0
+    for step in bar:
+        pi, pm, ri, rm = _sft_batch(task, tokenizer, batch_size, step, seed, g)
+        logps = token_logps(model, pi, pm, ri, rm)  # (B, T)
+        loss = -logps.sum() / rm.sum()  # mean NLL per response token (nats)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if steps is None and step % check_every == 0:
+            acc = evaluate(model, tokenizer, task, n=128, seed=seed + 1)["accuracy"]
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
+            if acc >= target:
+                break
+    bar.close()
+    model.eval()
+    final = evaluate(model, tokenizer, task, n=256, seed=seed + 2)
+    info = dict(task=task.key, seed=seed, size=size, steps=step, check_accuracy=acc,
+                accuracy=final["accuracy"], form0_share=final["form0_share"],
+                form1_share=final["form1_share"],
+                in_band=ACCURACY_BAND[0] <= final["accuracy"] <= ACCURACY_BAND[1],
+                seconds=round(time.time() - t0, 2))
+    return model, tokenizer, info
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, n: int = 128, temperature: float = 1.0, seed: int = 0) -> dict:
+    """Sample one response for each of `n` problems (task.problems(n, seed)) and score them.
+
+    Returns accuracy (fraction correct), mean_reward, form0_share / form1_share (fraction of all
+    samples that are exactly solution form 0 / 1), mean_length (response tokens incl. EOS), n.
+    """
+    problems = task.problems(n, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ro = generate(model, tokenizer, problems, G=1, max_new_tokens=task.max_new_tokens,
+                  temperature=temperature, generator=g, task=task)
+    forms = [task.solution_form(p, t) for p, t in zip(ro.problems, ro.texts)]
+    correct = [task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)]
+    return dict(
+        accuracy=sum(correct) / n,
+        mean_reward=float(ro.rewards.mean()),
+        form0_share=forms.count(0) / n,
+        form1_share=forms.count(1) / n,
+        mean_length=float(ro.lengths.float().mean()),
+        n=n,
+    )
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) -> Path:
+    """Save model (safetensors) + tokenizer to folder `path`; `info` goes to gradlab_info.json."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)  # transformers 5 writes model.safetensors
+    tokenizer.save_pretrained(path)
+    if info is not None:
+        (path / "gradlab_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def _load_folder(path: Path, device, attn: str | None = None) -> tuple:
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:  # many HF LMs ship without a pad token
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """cache_dir, else $GRADLAB_CACHE, else ~/.cache/gradlab."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("GRADLAB_CACHE", Path.home() / ".cache" / "gradlab"))
+
+
+def load_policy(path: str | Path | None = None, task=None, cache_dir=None, device="cpu"):
+    """Load (model, tokenizer).
+
+    path: a local Hugging Face causal-LM folder (model + its tokenizer); FileNotFoundError if
+        missing. path=None: the warm-started tiny policy for `task` (default ArithmeticTask(2)):
+        the shipped gradlab/data/default_policy for the default task, otherwise warm-started on
+        first use (seed 0) and cached under `cache_root(cache_dir)/<task.key>-seed0`.
+    The model is returned in eval mode on `device`.
+    """
+    if path is not None:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no Hugging Face model folder (config.json) at {path}")
+        return _load_folder(path, device)
+    key = task.key if task is not None else ArithmeticTask().key
+    if key == ArithmeticTask().key and (DEFAULT_POLICY_DIR / "config.json").is_file():
+        return _load_folder(DEFAULT_POLICY_DIR, device, attn="eager")
+    folder = cache_root(cache_dir) / f"{key}-seed0"
+    if not (folder / "config.json").is_file():
+        model, tokenizer, info = warm_start(task if task is not None else ArithmeticTask())
+        save_policy(model, tokenizer, folder, info)
+    return _load_folder(folder, device, attn="eager")
+
+
+def make_default_policy(out_dir: str | Path = DEFAULT_POLICY_DIR) -> dict:
+    """Regenerate the shipped default policy: warm_start(ArithmeticTask(2), seed=0) -> out_dir."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the shipped checkpoint was made with 2 CPU threads
+    try:
+        model, tokenizer, info = warm_start(ArithmeticTask(difficulty=2), seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    save_policy(model, tokenizer, out_dir, info)
+    return info
+
+
+if __name__ == "__main__":
+    print(make_default_policy())

@@ -1,7 +1,7 @@
 """Verifiable tasks with a sparse terminal reward.
 
-Two tasks share one interface (`problems`, `reward`, `solution_form`, `solutions`,
-`extract_answer`, `key`):
+Two tasks share one interface (`problems`, `reward`, `is_correct`, `solution_form`,
+`solutions`, `extract_answer`, `key`, `max_new_tokens`):
 
 - `ArithmeticTask`: seeded multi-digit addition. Prompt ``"34+57=?"``; the two equally correct
   responses are ``"so 34+57=91"`` (form 0, operands in prompt order) and ``"so 57+34=91"``
@@ -54,31 +54,35 @@ def _solution_form(problem: Problem, response: str) -> int | None:
 
 
 class ArithmeticTask:
-    """Seeded addition of two `difficulty`-digit numbers; reward 1.0 iff the final answer is right.
+    """Seeded addition of two `difficulty`-digit numbers with a sparse terminal reward in {0, 1}.
 
     difficulty: digits per operand (1..9). Operands are distinct, so the two forms differ.
     seed: task-level seed, mixed into every `problems(n, seed)` call.
-    format_bonus: optional extra reward for a well-formed response ("so a+b=c"); 0 by default,
-        which keeps the reward purely terminal and binary.
-
-    The reward checks only the final answer (outcome reward, as in MATH.md section 1), so
-    "so 34+58=91" is rewarded 1.0 for the prompt "34+57=?"; `solution_form` is stricter and
-    returns a form only for an exactly correct response.
+    strict: (default) the verifier checks the whole stated equation: reward 1.0 iff the response
+        is exactly one of the two solutions, "so a+b=c" or "so b+a=c" (surrounding whitespace
+        ignored). A right number after "=" with mis-copied operands ("so 34+58=91" for
+        "34+57=?") earns 0, so the rewarded responses are exactly the two solution forms.
+        strict=False: outcome-only reward, 1.0 iff `extract_answer(response)` equals the answer.
+    format_bonus: optional extra reward for a well-formed response ("so <int>+<int>=<int>");
+        0 by default, which keeps the reward binary.
     """
 
     name = "arithmetic"
 
-    def __init__(self, difficulty: int = 2, seed: int = 0, format_bonus: float = 0.0):
+    def __init__(
+        self, difficulty: int = 2, seed: int = 0, strict: bool = True, format_bonus: float = 0.0
+    ):
         if not 1 <= difficulty <= 9:
             raise ValueError(f"difficulty must be in 1..9 digits, got {difficulty}")
         self.difficulty = difficulty
         self.seed = seed
+        self.strict = strict
         self.format_bonus = format_bonus
 
     @property
     def key(self) -> str:
         """Identifies the task for caching warm-started policies (seed does not change the task)."""
-        return f"arithmetic-d{self.difficulty}"
+        return f"arithmetic-d{self.difficulty}" + ("" if self.strict else "-outcome")
 
     @property
     def max_new_tokens(self) -> int:
@@ -108,9 +112,15 @@ class ArithmeticTask:
     def is_well_formed(self, response: str) -> bool:
         return _FORMAT.match(response.strip()) is not None
 
+    def is_correct(self, problem: Problem, response: str) -> bool:
+        """Correctness as the verifier sees it (see `strict` in the class docstring)."""
+        if self.strict:
+            return self.solution_form(problem, response) is not None
+        return extract_answer(response) == problem.answer
+
     def reward(self, problem: Problem, response: str) -> float:
-        """1.0 if the extracted answer equals `problem.answer`, else 0.0 (+ optional format term)."""
-        r = 1.0 if extract_answer(response) == problem.answer else 0.0
+        """1.0 if `is_correct`, else 0.0; plus `format_bonus` for a well-formed response."""
+        r = 1.0 if self.is_correct(problem, response) else 0.0
         if self.format_bonus and self.is_well_formed(response):
             r += self.format_bonus
         return r
@@ -193,8 +203,12 @@ class JsonlTask:
 
     extract_answer = staticmethod(extract_answer)
 
+    def is_correct(self, problem: Problem, response: str) -> bool:
+        return extract_answer(response) == problem.answer
+
     def reward(self, problem: Problem, response: str) -> float:
-        return 1.0 if extract_answer(response) == problem.answer else 0.0
+        """1.0 if the extracted answer equals the line's "answer", else 0.0."""
+        return 1.0 if self.is_correct(problem, response) else 0.0
 
     def solution_form(self, problem: Problem, response: str) -> int | None:
         """Index of the line's solution that `response` equals (after strip), else None."""

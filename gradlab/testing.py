@@ -1,0 +1,114 @@
+"""Helpers for testing RL losses against cancellation — gradlab's own tests and yours.
+
+`random_batch` builds groups whose responses share a prefix and branch into a trie, with
+log-probs that depend only on the history (as a real policy's do), so shared tokens carry
+identical log-probs across the group. `measure_modulation` reads W = −∂loss/∂logps the way a
+backward hook on the log-prob tensor does. `assert_cancels` / `assert_does_not_cancel` guard a
+loss in CI:
+
+    from gradlab.testing import assert_cancels
+    def test_my_loss_cancels():
+        assert_cancels(lambda b: my_loss(b.logps, b.old_logps, b.advantages, b.mask))
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .batch import TokenBatch, advantages
+from .cancellation import Cancellation, cancellation
+
+
+def _history_values(tokens: Tensor, mask: Tensor, gen: torch.Generator, scale: float,
+                    dtype) -> Tensor:
+    """(B, T) values that are a function of (row's group prompt, prefix) only."""
+    table: dict = {}
+    out = torch.zeros(tokens.shape, dtype=dtype)
+    for i in range(tokens.shape[0]):
+        for t in range(tokens.shape[1]):
+            if not mask[i, t]:
+                continue
+            key = tuple(tokens[i, : t + 1].tolist())
+            if key not in table:
+                table[key] = float(torch.rand((), generator=gen, dtype=torch.float64)) * scale
+            out[i, t] = table[key]
+    return out
+
+
+def random_batch(
+    n_groups: int = 3, G: int = 4, T: int = 12, prefix: int = 3, vocab: int = 3,
+    seed: int = 0, off_policy: float = 0.3, dtype=torch.float64, contiguous: bool = False,
+    equal_lengths: bool = False, rewards: Tensor | None = None, min_len: int | None = None,
+) -> TokenBatch:
+    """Random groups with a shared prefix of `prefix` tokens, then a small-vocabulary trie.
+
+    Lengths vary in [min_len, T] (right padding) unless `equal_lengths`; rows of a group are
+    shuffled through the batch unless `contiguous`; `off_policy` scales the noise between
+    old and current log-probs (0: on-policy, all ratios 1). Log-probs are functions of the
+    prefix (the group's prompt is part of it). Rewards are Bernoulli(½), not all equal.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    prefix = min(prefix, T)
+    B = n_groups * G
+    group = torch.arange(n_groups).repeat_interleave(G)
+    tokens = torch.randint(0, vocab, (B, T), generator=gen)
+    pre = torch.randint(0, vocab, (n_groups, prefix), generator=gen)
+    tokens[:, :prefix] = pre[group]
+    tokens += 1 + vocab * group.unsqueeze(-1)  # the prompt, folded into the token id
+    lo = min(prefix + 1 if min_len is None else min_len, T)
+    lengths = torch.full((B,), T) if equal_lengths else torch.randint(lo, T + 1, (B,), generator=gen)
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(-1)
+    tokens = torch.where(mask, tokens, 0)
+    logps = -_history_values(tokens, mask, gen, 3.0, dtype)
+    noise = _history_values(tokens, mask, gen, 1.0, dtype) - 0.5
+    old = logps + off_policy * noise
+    if rewards is None:
+        rewards = (torch.rand(B, generator=gen) < 0.5).to(dtype)
+        rewards[::G] = 1.0  # no group with all-equal rewards
+        rewards[1::G] = 0.0
+    perm = torch.arange(B) if contiguous else torch.randperm(B, generator=gen)
+    adv = advantages(rewards.to(dtype), group)
+    return TokenBatch(tokens[perm], mask[perm], logps[perm], old[perm], adv[perm], group[perm])
+
+
+def measure_modulation(loss_fn: Callable[[TokenBatch], Tensor], batch: TokenBatch) -> Tensor:
+    """W = −∂loss/∂logps on a fresh leaf copy of batch.logps, (B, T) — what a hook receives."""
+    lp = batch.logps.detach().clone().requires_grad_(True)
+    b = batch.replace(logps=lp)
+    (grad,) = torch.autograd.grad(loss_fn(b), lp, allow_unused=True)
+    return torch.zeros_like(lp) if grad is None else -grad
+
+
+def _reports(loss_fn, seeds, nodes, **batch_kw) -> list[tuple[int, Cancellation]]:
+    out = []
+    for s in seeds:
+        b = random_batch(seed=s, **batch_kw)
+        out.append((s, cancellation(measure_modulation(loss_fn, b), b, nodes)))
+    return out
+
+
+def assert_cancels(loss_fn: Callable[[TokenBatch], Tensor], seeds=range(5), tol: float = 1e-9,
+                   nodes: str = "prefix", **batch_kw) -> None:
+    """Assert the full-group shared-token gradient of `loss_fn` cancels (ρ ≤ tol).
+
+    loss_fn(batch) → scalar loss built from batch.logps. Batches come from `random_batch`
+    (float64, unequal lengths, shuffled groups; pass e.g. off_policy=0 for on-policy).
+    """
+    for s, rep in _reports(loss_fn, seeds, nodes, **batch_kw):
+        if rep.ratio > tol:
+            raise AssertionError(
+                f"shared-token gradient does not cancel: cancellation ratio {rep.ratio:.3g} > "
+                f"{tol:g} on random_batch(seed={s}) ({rep.n_nodes} {nodes} nodes, "
+                f"residual {rep.residual:.3g})"
+            )
+
+
+def assert_does_not_cancel(loss_fn: Callable[[TokenBatch], Tensor], seeds=range(5),
+                           min_ratio: float = 1e-6, nodes: str = "prefix", **batch_kw) -> None:
+    """Assert ρ > min_ratio on at least one random batch (the loss is not exchangeable)."""
+    reps = _reports(loss_fn, seeds, nodes, **batch_kw)
+    if max(r.ratio for _, r in reps) <= min_ratio:
+        raise AssertionError(f"expected a residual, but ρ ≤ {min_ratio:g} on every seed")
