@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -22,8 +22,6 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-
-from tqdm.auto import tqdm
 
 from gradlab.rollout import generate, token_logps
 from gradlab.task import ArithmeticTask
@@ -48,10 +46,15 @@ def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
 
     vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + sorted(set(chars)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one char = one token
+    tok.pre_tokenizer = pre_tokenizers.Split(
+        Regex("."), behavior="isolated"
+    )  # one char = one token
     tok.decoder = decoders.Fuse()  # join chars back without separators
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
         padding_side="left",
     )
 
@@ -60,11 +63,23 @@ def build_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
 
 _SIZES = {
     # ~0.1M parameters with the default vocab: fast CPU default.
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, intermediate_size=128),
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+    },
     # ~25M parameters: for speed benchmarks.
-    "25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=64, intermediate_size=1536),
+    "25m": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+    },
 }
 
 
@@ -73,8 +88,13 @@ def tiny_config(vocab_size: int, size: str = "tiny") -> Qwen3Config:
     if size not in _SIZES:
         raise ValueError(f"unknown size {size!r}; valid values: {', '.join(_SIZES)}")
     cfg = Qwen3Config(
-        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=True,
-        attention_dropout=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
         **_SIZES[size],
     )
     cfg._attn_implementation = "eager"
@@ -102,26 +122,47 @@ def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cp
     right-padded with the pad id (mask True on response tokens incl. EOS).
     """
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
-    resp = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            for r in responses]
+    resp = [
+        tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for r in responses
+    ]
     T = max(len(r) for r in resp)
     response_ids = torch.full((len(resp), T), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((len(resp), T), dtype=torch.bool)
     for i, r in enumerate(resp):
         response_ids[i, : len(r)] = torch.tensor(r)
         response_mask[i, : len(r)] = True
-    return (enc["input_ids"].to(device), enc["attention_mask"].bool().to(device),
-            response_ids.to(device), response_mask.to(device))
+    return (
+        enc["input_ids"].to(device),
+        enc["attention_mask"].bool().to(device),
+        response_ids.to(device),
+        response_mask.to(device),
+    )
 
 
 def _sft_batch(task, tokenizer, batch_size: int, step: int, seed: int, g: torch.Generator):
-    """A batch of correct solutions; each row picks form 0 or 1 with probability 1/2."""
+    """A batch of correct solutions; each row picks one of its problem's forms uniformly.
+
+    Problems without solutions (possible in a JSONL task) are skipped, so a batch may be short.
+    """
     problems = task.problems(batch_size, seed=1_000_000 * (seed + 1) + step)
+    problems = [p for p in problems if task.solutions(p)] or [_first_with_solution(task)]
     responses = []
     for p in problems:
         sols = task.solutions(p)
         responses.append(sols[int(torch.randint(len(sols), (1,), generator=g))])
     return encode_pairs(tokenizer, [p.prompt for p in problems], responses)
+
+
+def _first_with_solution(task):
+    """A problem of `task` with at least one correct solution; ValueError if there is none."""
+    for p in task.problems(256, seed=0):
+        if task.solutions(p):
+            return p
+    raise ValueError(
+        f"warm start needs correct solutions, but task {task.key} has none "
+        '(add "solutions": [...] to the JSONL lines)'
+    )
 
 
 def warm_start(
@@ -135,7 +176,7 @@ def warm_start(
     check_every: int = 20,
     max_steps: int = 3000,
     target: float = 0.35,
-):
+) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast, dict]:
     """Supervised warm start of a fresh tiny Qwen3 on the task's correct solutions (both forms).
 
     Cross-entropy on response tokens (incl. EOS), AdamW, batches of `batch_size` problems with
@@ -149,9 +190,7 @@ def warm_start(
     info = {steps, accuracy (fresh 256-sample estimate), in_band, seconds, ...}.
     """
     task = task if task is not None else ArithmeticTask()
-    if not task.solutions(task.problems(1, seed=0)[0]):
-        raise ValueError(f"warm start needs correct solutions, but task {task.key} has none "
-                         '(add "solutions": [...] to each JSONL line)')
+    _first_with_solution(task)  # fail early with a clear error
     t0 = time.time()
     tokenizer = build_tokenizer()
     model = new_model(tokenizer, size=size, seed=seed)
@@ -176,11 +215,18 @@ def warm_start(
     bar.close()
     model.eval()
     final = evaluate(model, tokenizer, task, n=256, seed=seed + 2)
-    info = dict(task=task.key, seed=seed, size=size, steps=step, check_accuracy=acc,
-                accuracy=final["accuracy"], form0_share=final["form0_share"],
-                form1_share=final["form1_share"],
-                in_band=ACCURACY_BAND[0] <= final["accuracy"] <= ACCURACY_BAND[1],
-                seconds=round(time.time() - t0, 2))
+    info = {
+        "task": task.key,
+        "seed": seed,
+        "size": size,
+        "steps": step,
+        "check_accuracy": acc,
+        "accuracy": final["accuracy"],
+        "form0_share": final["form0_share"],
+        "form1_share": final["form1_share"],
+        "in_band": ACCURACY_BAND[0] <= final["accuracy"] <= ACCURACY_BAND[1],
+        "seconds": round(time.time() - t0, 2),
+    }
     return model, tokenizer, info
 
 
@@ -196,18 +242,26 @@ def evaluate(model, tokenizer, task, n: int = 128, temperature: float = 1.0, see
     """
     problems = task.problems(n, seed=seed)
     g = torch.Generator().manual_seed(seed)
-    ro = generate(model, tokenizer, problems, G=1, max_new_tokens=task.max_new_tokens,
-                  temperature=temperature, generator=g, task=task)
+    ro = generate(
+        model,
+        tokenizer,
+        problems,
+        G=1,
+        max_new_tokens=task.max_new_tokens,
+        temperature=temperature,
+        generator=g,
+        task=task,
+    )
     forms = [task.solution_form(p, t) for p, t in zip(ro.problems, ro.texts)]
     correct = [task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)]
-    return dict(
-        accuracy=sum(correct) / n,
-        mean_reward=float(ro.rewards.mean()),
-        form0_share=forms.count(0) / n,
-        form1_share=forms.count(1) / n,
-        mean_length=float(ro.lengths.float().mean()),
-        n=n,
-    )
+    return {
+        "accuracy": sum(correct) / n,
+        "mean_reward": float(ro.rewards.mean()),
+        "form0_share": forms.count(0) / n,
+        "form1_share": forms.count(1) / n,
+        "mean_length": float(ro.lengths.float().mean()),
+        "n": n,
+    }
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -240,7 +294,9 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(os.environ.get("GRADLAB_CACHE", Path.home() / ".cache" / "gradlab"))
 
 
-def load_policy(path: str | Path | None = None, task=None, cache_dir=None, device="cpu"):
+def load_policy(
+    path: str | Path | None = None, task=None, cache_dir: str | Path | None = None, device="cpu"
+) -> tuple:
     """Load (model, tokenizer).
 
     path: a local Hugging Face causal-LM folder (model + its tokenizer); FileNotFoundError if

@@ -25,7 +25,9 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P) bool, True on real prompt tokens
     response_ids: torch.Tensor  # (N, T) long, right-padded with pad id
     response_mask: torch.Tensor  # (N, T) bool, True on generated tokens incl. the EOS, False after
-    old_logps: torch.Tensor  # (N, T) float32, behaviour log-probs (nats) at the sampling temp; 0 masked
+    old_logps: (
+        torch.Tensor
+    )  # (N, T) float32, behaviour log-probs (nats) at the sampling temp; 0 masked
     group: torch.Tensor  # (N,) long, prompt index: row i -> i // G
     texts: list[str]  # decoded responses without EOS / pad
     problems: list  # the Problem of each row
@@ -123,28 +125,20 @@ def generate(
 
     was_training = model.training
     model.eval()
-    mask = prompt_mask.long()  # (N, P + t) attention mask over everything so far
-    pos = _positions(prompt_mask)  # (N, P)
-    ids = prompt_ids
-    cache = None
-    toks, logps = [], []
-    done = torch.zeros(N, dtype=torch.bool, device=device)
-    with _autocast(device, amp):
-        for _ in range(max_new_tokens):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                        cache=cache, use_cache=True)
-            cache = out.cache
-            tok, lp = _sample(out.logits[:, -1], temperature, generator)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            toks.append(tok)
-            logps.append(torch.where(done, torch.zeros_like(lp), lp))
-            done = done | (tok == eos_id)
-            if bool(done.all()):
-                break
-            # Feed the new token; finished rows keep attending (harmless, their outputs are unused).
-            ids, pos = tok[:, None], pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-    model.train(was_training)
+    try:
+        with _autocast(device, amp):
+            toks, logps = _sample_loop(
+                model,
+                prompt_ids,
+                prompt_mask,
+                max_new_tokens,
+                temperature,
+                generator,
+                eos_id,
+                pad_id,
+            )
+    finally:
+        model.train(was_training)
 
     response_ids = torch.stack(toks, dim=1)  # (N, T)
     old_logps = torch.stack(logps, dim=1).float()  # (N, T)
@@ -155,14 +149,50 @@ def generate(
     old_logps = old_logps.masked_fill(~response_mask, 0.0)
     texts = _decode(tokenizer, response_ids, response_mask, eos_id)
     ro = Rollout(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-        response_ids=response_ids, response_mask=response_mask, old_logps=old_logps,
-        group=torch.arange(N, device=device) // G, texts=texts, problems=rows,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        old_logps=old_logps,
+        group=torch.arange(N, device=device) // G,
+        texts=texts,
+        problems=rows,
         temperature=temperature,
     )
     if task is not None:
         score(task, ro)
     return ro
+
+
+def _sample_loop(
+    model, prompt_ids, prompt_mask, max_new_tokens, temperature, generator, eos_id, pad_id
+):
+    """KV-cached sampling; returns lists (one entry per step) of tokens (N,) and log-probs (N,).
+
+    After a row's EOS its tokens are pad and its log-probs 0; stops early when all rows are done.
+    """
+    N, device = prompt_ids.shape[0], prompt_ids.device
+    mask = prompt_mask.long()  # (N, P + t) attention mask over everything so far
+    pos = _positions(prompt_mask)  # (N, P) position ids of the tokens being fed
+    ids, cache = prompt_ids, None
+    toks, logps = [], []
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
+        )
+        cache = out.cache
+        tok, lp = _sample(out.logits[:, -1], temperature, generator)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        toks.append(tok)
+        logps.append(torch.where(done, torch.zeros_like(lp), lp))
+        done = done | (tok == eos_id)
+        if bool(done.all()):
+            break
+        # Feed the new token; finished rows keep attending (harmless, their outputs are unused).
+        ids, pos = tok[:, None], pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    return toks, logps
 
 
 def _decode(tokenizer, response_ids, response_mask, eos_id) -> list[str]:
@@ -193,8 +223,13 @@ def token_logps(
     T = response_ids.shape[1]
     ids = torch.cat([prompt_ids, response_ids], dim=1)  # (N, P + T)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
-    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask),
-                use_cache=False, logits_to_keep=T + 1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        position_ids=_positions(mask),
+        use_cache=False,
+        logits_to_keep=T + 1,
+    )
     logits = out.logits[:, :-1].float() / temperature  # (N, T, V): position t predicts token t
     logprobs = F.log_softmax(logits, dim=-1)
     logps = logprobs.gather(-1, response_ids[..., None]).squeeze(-1)

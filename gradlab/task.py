@@ -222,7 +222,7 @@ TASKS = ("arithmetic", "<path>.jsonl")
 
 
 def get_task(name_or_path: str, **kw) -> ArithmeticTask | JsonlTask:
-    """"arithmetic" -> ArithmeticTask(**kw); a path ending in .jsonl -> JsonlTask(path, **kw)."""
+    """ "arithmetic" -> ArithmeticTask(**kw); a path ending in .jsonl -> JsonlTask(path, **kw)."""
     if name_or_path == "arithmetic":
         return ArithmeticTask(**kw)
     if str(name_or_path).endswith(".jsonl"):

@@ -1,0 +1,112 @@
+"""Run configuration: one dataclass, validated with errors that name the option at fault."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth")
+MODES = ("tandem", "same-batch")
+
+
+class ConfigError(ValueError):
+    """A bad option: the message names it and its valid values."""
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs; saved as config.json in the run folder.
+
+    Units: `steps` = rollout batches; each is cut into `minibatches` optimizer steps, so the
+    run makes steps × minibatches optimizer steps per objective. `prompts` × `G` responses per
+    rollout batch.
+    """
+
+    out: str = "runs/default"
+    objectives: list[str] = field(default_factory=lambda: list(DEFAULT_OBJECTIVES))
+    objective_params: dict[str, dict] = field(default_factory=dict)
+    mode: str = "tandem"
+    task: str = "arithmetic"
+    difficulty: int = 2
+    model: str | None = None
+    steps: int = 40
+    prompts: int = 8
+    G: int = 8
+    minibatches: int = 4
+    split_groups: bool = False
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    max_new_tokens: int | None = None
+    adv_scale: str = "group"
+    seed: int = 0
+    device: str = "cpu"
+    amp: bool = False
+    ckpt_every: int = 10
+    tax_every: int = 5
+    drift: bool = True
+    probe_contexts: int = 16
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> RunConfig:
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"config {path}: unknown option(s) {unknown}; valid: {sorted(known)}")
+        return cls(**data)
+
+
+def validate(c: RunConfig) -> None:
+    from . import objectives
+    from .batch import ADVANTAGE_SCALES
+
+    if not c.objectives:
+        raise ConfigError("--objectives: give at least one objective")
+    for name in c.objectives:
+        if name not in objectives.names():
+            raise ConfigError(f"--objectives: unknown objective {name!r}; valid: "
+                              f"{', '.join(objectives.names())}")
+        objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
+    if len(set(c.objectives)) != len(c.objectives):
+        raise ConfigError(f"--objectives: duplicate names in {c.objectives}")
+    checks = [
+        ("G", c.G >= 2, "≥ 2 (a group needs two responses to compare)"),
+        ("prompts", c.prompts >= 1, "≥ 1"),
+        ("steps", c.steps >= 1, "≥ 1"),
+        ("minibatches", c.minibatches >= 1, "≥ 1"),
+        ("lr", c.lr > 0, "> 0"),
+        ("temperature", c.temperature > 0, "> 0"),
+        ("grad_clip", c.grad_clip > 0, "> 0"),
+        ("ckpt_every", c.ckpt_every >= 1, "≥ 1"),
+        ("tax_every", c.tax_every >= 0, "≥ 0 (0 = never)"),
+        ("difficulty", 1 <= c.difficulty <= 9, "in 1..9"),
+        ("max_new_tokens", c.max_new_tokens is None or 1 <= c.max_new_tokens <= 4096,
+         "in 1..4096 or unset (the task's default)"),
+    ]
+    for opt, ok, valid in checks:
+        if not ok:
+            raise ConfigError(f"--{opt.replace('_', '-')}: {getattr(c, opt)!r} is invalid; must be {valid}")
+    units = c.prompts * c.G if c.split_groups else c.prompts
+    if c.minibatches > units:
+        what = "responses" if c.split_groups else "prompts (groups stay whole)"
+        raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
+    if c.mode not in MODES:
+        raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
+    if c.adv_scale not in ADVANTAGE_SCALES:
+        raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
+    if c.model is not None and not (Path(c.model) / "config.json").is_file():
+        raise ConfigError(f"--model: no Hugging Face model folder (config.json) at {c.model}")
+    if not (c.device == "cpu" or c.device.startswith("cuda")):
+        raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
+    if c.task != "arithmetic" and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
+        raise ConfigError(f"--task: {c.task!r}; valid: arithmetic or a path to an existing .jsonl file")

@@ -1,0 +1,201 @@
+"""Per-step metrics of the loop: accumulate on the device, sync once per rollout step.
+
+`StepMetrics` collects, over the optimizer steps of one rollout batch, sums and counts (never
+averages of ratios): ρ = Σ residual / Σ mass over all the steps' nodes. `probe_set` fixes, at
+the start of a run, the shared contexts whose cumulative KL from the initial policy is tracked,
+and the two-solution problems whose log-odds are tracked (MATH.md §4).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from .batch import TokenBatch
+from .cancellation import attribution, node_coefficients
+from .nodes import shared_nodes
+from .probes import equal_solution_logodds, kl_rows
+from .rollout import generate, token_logps
+
+
+class StepMetrics:
+    """Accumulator for one rollout step of one learner."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
+        self.means: dict[str, list] = defaultdict(list)  # averaged at finish
+        self.maxes: dict[str, list[Tensor]] = defaultdict(list)
+        self.times: dict[str, float] = defaultdict(float)
+        self.last_prefix_nodes = None
+
+    def time(self, what: str, since: float) -> None:
+        self.times[f"time_{what}"] += time.perf_counter() - since
+
+    def add_scalar(self, name: str, v) -> None:
+        self.means[name].append(v.detach() if torch.is_tensor(v) else v)
+
+    def _residuals(self, prefix: str, W: Tensor, batch: TokenBatch, sns: dict) -> None:
+        for kind, sn in sns.items():
+            k = node_coefficients(W, batch, sn)
+            self.sums[f"{prefix}residual_{kind}"].append(k.d.abs().sum())
+            self.sums[f"{prefix}mass_{kind}"].append(k.mass.sum())
+
+    def add_step(self, obj, batch: TokenBatch, W: Tensor, ent: Tensor, loss: Tensor,
+                 stats: dict, heavy: bool, others: list) -> None:
+        """Measured W of one optimizer step: residuals, shared fractions, entropy, W deviation."""
+        trie = shared_nodes(batch, "trie")
+        sns = {"prefix": trie.full_group(), "trie": trie}
+        self.last_prefix_nodes = sns["prefix"]
+        self._residuals("", W, batch, sns)
+        m = batch.mask
+        self.sums["n_tokens"].append(m.sum())
+        for kind, sn in sns.items():
+            self.sums[f"n_shared_{kind}"].append((sn.node >= 0).sum())
+        shared = sns["prefix"].node >= 0
+        self.sums["entropy_sum"].append((ent * m).sum())
+        self.sums["entropy_shared_sum"].append((ent * shared).sum())
+        self.maxes["w_dev"].append((W - obj.modulation(batch)).abs().max())
+        self.maxes["w_max"].append(W.abs().max())
+        self.add_scalar("loss", loss)
+        for k, v in stats.items():
+            self.add_scalar(k, v)
+        for o in others:  # same-batch mode: the other objectives' W on this very batch
+            self._residuals(f"cf/{o.name if o.name != 'dfpo' else _dfpo_name(o)}/",
+                            o.modulation(batch), batch, sns)
+        if heavy:
+            for mech, share in attribution(obj, batch, "prefix").items():
+                self.add_scalar(f"attr_{mech}", share)
+
+    def add_tax(self, d: dict) -> None:
+        """`learning_tax` output: overall figures and tax_share/<layer group>."""
+        for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
+            self.add_scalar(k, d[k])
+        for group, g in d["groups"].items():
+            self.add_scalar(f"tax_share/{group}", g["tax_share"])
+
+    def add_drift(self, d: dict) -> None:
+        """`node_drift` output: sums and counts, turned into means over the rollout step."""
+        for k, v in d.items():
+            if k.endswith("_sum") or k.endswith("_count"):
+                self.sums[f"drift_{k}"].append(v)
+
+    def finish(self) -> dict:
+        """One host sync: reduce everything to floats."""
+        names, vals = [], []
+        for k, v in self.sums.items():
+            names.append(k)
+            vals.append(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in v]).sum())
+        for k, v in self.means.items():
+            names.append(k)
+            vals.append(torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v]).mean())
+        for k, v in self.maxes.items():
+            names.append(k)
+            vals.append(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in v]).max())
+        out = dict(zip(names, torch.stack([v.cpu() for v in vals]).tolist()))
+        return _ratios(out)
+
+    @staticmethod
+    def rollout_metrics(task, ro, parts: list[Tensor]) -> dict:
+        """Reward, accuracy, length, solution-form shares, split groups of one rollout batch."""
+        correct = [task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)]
+        forms = [task.solution_form(p, t) for p, t in zip(ro.problems, ro.texts)]
+        n = len(correct)
+        step_of = torch.empty_like(ro.group)
+        for k, rows in enumerate(parts):
+            step_of[rows] = k
+        n_groups = int(ro.group.max()) + 1
+        spread = [torch.unique(step_of[ro.group == g]).numel() > 1 for g in range(n_groups)]
+        r = ro.rewards.view(n_groups, -1)
+        return {
+            "reward": float(ro.rewards.mean()), "accuracy": sum(correct) / n,
+            "length": float(ro.response_mask.sum(-1).float().mean()),
+            "form0_share": forms.count(0) / n, "form1_share": forms.count(1) / n,
+            "split_share": sum(spread) / n_groups,
+            "zero_std_share": float((r.std(-1) == 0).float().mean()),
+        }
+
+
+def _dfpo_name(o) -> str:
+    return f"dfpo-{o.transform}"
+
+
+def _ratios(s: dict) -> dict:
+    """Turn accumulated sums into the reported ratios (0 where a denominator is 0)."""
+    out = dict(s)
+    div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
+
+    for key in list(s):
+        if key.endswith("residual_prefix") or key.endswith("residual_trie"):
+            pre, kind = key.rsplit("residual_", 1)
+            out[f"{pre}rho_{kind}"] = min(1.0, div(s[key], s[f"{pre}mass_{kind}"]))
+    for key in list(s):
+        if key.startswith("drift_") and key.endswith("_sum"):
+            stem = key[: -len("_sum")]
+            where, _ = stem.rsplit("_", 1)  # drift_node_kl → drift_node (count key)
+            out[f"{stem}_mean"] = div(s[key], s.get(f"{where}_count", 0))
+    n = s.get("n_tokens", 0)
+    for kind in ("prefix", "trie"):
+        if f"n_shared_{kind}" in s:
+            out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)
+    if "entropy_sum" in s:
+        out["entropy"] = div(s.pop("entropy_sum"), n)
+        out["entropy_shared"] = div(s.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
+        out.pop("entropy_sum"), out.pop("entropy_shared_sum")
+    return out
+
+
+@torch.no_grad()
+def probe_set(model, tok, task, cfg, store) -> dict:
+    """Fixed probe contexts drawn once from the initial policy (same for every objective).
+
+    contexts: the full-group shared nodes of a rollout of `probe_contexts` prompts; their
+    initial next-token log-probs are the reference of the cumulative drift KL.
+    forms: for the built-in task, prompts and their two solutions (form 0, form 1).
+    """
+    g = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 12345)
+    problems = task.problems(cfg.probe_contexts, seed=10**9 + cfg.seed)
+    max_new = cfg.max_new_tokens or task.max_new_tokens
+    ro = generate(model, tok, problems, cfg.G, max_new, cfg.temperature, g, amp=cfg.amp)
+    zeros = torch.zeros(ro.response_ids.shape, device=ro.response_ids.device)
+    b = TokenBatch(ro.response_ids, ro.response_mask, zeros, zeros,
+                   zeros[:, 0], ro.group, validate=False)
+    sn = shared_nodes(b, "prefix")
+    probes = {"ro": ro, "rep": sn.rep, "pos": sn.position}
+    probes["ref"] = _context_logprobs(model, probes, cfg)
+    sols = [task.solutions(p) for p in problems]
+    if all(len(s) >= 2 for s in sols):
+        from .policy import encode_pairs
+
+        prompts = [p.prompt for p in problems]
+        probes["forms"] = [encode_pairs(tok, prompts, [s[k] for s in sols], device=cfg.device)
+                           for k in (0, 1)]
+    return probes
+
+
+def _context_logprobs(model, probes: dict, cfg) -> Tensor:
+    """(K, V) next-token log-probs at the probe contexts."""
+    ro = probes["ro"]
+    _, logprobs = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
+                              ro.response_mask, cfg.temperature, return_logprobs=True)
+    return logprobs[probes["rep"], probes["pos"]]
+
+
+@torch.no_grad()
+def probe_metrics(model, probes: dict, cfg) -> dict:
+    """Cumulative KL from the initial policy at the probe contexts; equal-solution log-odds."""
+    was = model.training
+    model.eval()
+    out = {}
+    if probes["rep"].numel():
+        now = _context_logprobs(model, probes, cfg)
+        out["probe_kl"] = float(kl_rows(probes["ref"], now).mean())
+    if "forms" in probes:
+        seq = [token_logps(model, *enc, cfg.temperature).sum(-1) for enc in probes["forms"]]
+        lo, h = equal_solution_logodds(seq[0], seq[1])
+        out.update({"logodds": float(lo.mean()), "logodds_abs": float(lo.abs().mean()),
+                    "forms_entropy": float(h.mean())})
+    model.train(was)
+    return out

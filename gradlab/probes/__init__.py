@@ -1,0 +1,17 @@
+"""Probes on real backward passes (MATH.md §2–5).
+
+- `ModulationProbe`, `Schedule`: measure W = −∂loss/∂logps with a hook, for any loss.
+- `learning_tax`, `layer_groups`: the parameter-space residual g_tax, overall and per group.
+- `DFPOGradientTransform`: DFPO as a hook that turns any base loss's W into W̃.
+- `node_drift`, `kl_rows`, `entropy`, `equal_solution_logodds`: drift and collapse figures.
+"""
+
+from .drift import entropy, equal_solution_logodds, kl_rows, node_drift
+from .modulation import ModulationProbe, Schedule
+from .tax import group_of, layer_groups, learning_tax
+from .transform import DFPOGradientTransform
+
+__all__ = [
+    "ModulationProbe", "Schedule", "learning_tax", "layer_groups", "group_of",
+    "DFPOGradientTransform", "node_drift", "kl_rows", "entropy", "equal_solution_logodds",
+]

@@ -1,0 +1,83 @@
+"""Drift of the policy at shared contexts, and entropy collapse (MATH.md §4).
+
+Pure functions on log-prob tensors: the training loop does the forwards (before and after an
+optimizer step, or on a fixed probe set) and hands the (…, V) log-softmax outputs here.
+Everything is in nats; every figure is a 0-dim (or (K,)) tensor on the device, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..batch import TokenBatch
+from ..nodes import SharedNodes
+
+
+def entropy(logp: Tensor) -> Tensor:
+    """Entropy −Σ_v p log p (nats) of log-probs (…, V) → (…)."""
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_rows(logp_ref: Tensor, logp_now: Tensor) -> Tensor:
+    """KL(π_ref ‖ π_now) per context (nats): (K, V), (K, V) → (K,) (any leading shape works).
+
+    With logp_ref the initial policy on a fixed probe set: the cumulative drift over training.
+    """
+    if logp_ref.shape != logp_now.shape:
+        raise ValueError(f"kl_rows: shapes differ, {tuple(logp_ref.shape)} vs {tuple(logp_now.shape)}")
+    return (logp_ref.exp() * (logp_ref - logp_now)).sum(-1)
+
+
+def _stats(prefix: str, dlogp: Tensor, kl: Tensor, keep: Tensor) -> dict[str, Tensor]:
+    """Mean and sum of dlogp and kl over `keep` (same shape, bool); means are 0 when empty."""
+    n = keep.sum()
+    den = n.clamp(min=1).to(dlogp.dtype)
+    s_d, s_k = (dlogp * keep).sum(), (kl * keep).sum()
+    return {f"{prefix}_dlogp_mean": s_d / den, f"{prefix}_dlogp_sum": s_d,
+            f"{prefix}_kl_mean": s_k / den, f"{prefix}_kl_sum": s_k, f"{prefix}_count": n}
+
+
+def node_drift(logp_before: Tensor, logp_after: Tensor, batch: TokenBatch,
+               sn: SharedNodes) -> dict[str, Tensor]:
+    """How one optimizer step moved the policy at shared nodes and at divergent positions.
+
+    logp_before, logp_after: (B, T, V) log-softmax of the policy before / after the step over
+    the batch's response positions (position t = the distribution of token t). At each node n
+    of `sn` (read at its representative (rep(n), t_n), whose history every member shares):
+      node_dlogp_* : Δ log π(a*|h*) of the shared token, after − before
+      node_kl_*    : KL(π_before(·|h*) ‖ π_after(·|h*))
+    and the same at divergent positions (masked in, not in any node of `sn`), split by the
+    row's advantage: div_pos_* (A > 0), div_neg_* (A < 0); rows with A = 0 are in neither.
+    Each prefix gets _mean, _sum (0-dim float tensors; a mean over no position is 0) and
+    _count (0-dim long).
+    """
+    B, T = batch.tokens.shape
+    if logp_before.shape != logp_after.shape or tuple(logp_before.shape[:2]) != (B, T):
+        raise ValueError(f"node_drift: logps must both be ({B}, {T}, V), got "
+                         f"{tuple(logp_before.shape)} and {tuple(logp_after.shape)}")
+    tok = batch.tokens.long().unsqueeze(-1)
+    dlogp = (logp_after.gather(-1, tok) - logp_before.gather(-1, tok)).squeeze(-1)  # (B, T)
+    kl = kl_rows(logp_before, logp_after)  # (B, T)
+    at_node = torch.zeros_like(batch.mask).index_put_(
+        (sn.rep, sn.position), torch.ones_like(sn.rep, dtype=torch.bool))
+    divergent = batch.mask & (sn.node < 0)
+    A = batch.advantages.unsqueeze(-1)
+    out = _stats("node", dlogp, kl, at_node)
+    out.update(_stats("div_pos", dlogp, kl, divergent & (A > 0)))
+    out.update(_stats("div_neg", dlogp, kl, divergent & (A < 0)))
+    return out
+
+
+def equal_solution_logodds(logp_a: Tensor, logp_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-odds and binary entropy between two equally correct solutions (MATH.md §4, Cor. 3.2).
+
+    logp_a, logp_b: sequence log-probs log π(y_a), log π(y_b) (any equal shapes, nats).
+    Returns (log_odds = log π(y_a) − log π(y_b), h(p) in nats with p = σ(log_odds)), computed
+    stably (h → 0, never NaN, as |log_odds| grows).
+    """
+    x = logp_a - logp_b
+    # −log σ(x) = softplus(−x), −log(1 − σ(x)) = softplus(x)
+    h = torch.sigmoid(x) * F.softplus(-x) + torch.sigmoid(-x) * F.softplus(x)
+    return x, h

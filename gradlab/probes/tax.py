@@ -1,0 +1,118 @@
+"""The parameter-space learning tax: the part of the update paid for by shared-token residuals.
+
+MATH.md §3: at node n the shared tokens contribute (Σ_{S_n} W) ∇θ l_rep(n) to −∇θL; of that,
+c*_n ∇l is legitimate exchangeable credit and d_n = c_n − c*_n is the residual. So the loss
+gradient splits as g_total = g_rest + g_tax with
+
+    g_tax = −Σ_n d_n ∇θ l_{rep(n), t_n}          (loss-gradient sign, same as param.grad)
+
+(MATH.md writes the ascent direction Σ_n d_n ∇l; norms, shares and cosines are the same.)
+One extra backward over the retained graph gives g_tax exactly:
+torch.autograd.grad(logps, params, grad_outputs=−D), D (B, T) holding d_n at (rep(n), t_n).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..batch import TokenBatch
+from ..cancellation import node_coefficients
+from ..nodes import SharedNodes, shared_nodes
+from .modulation import check_logps
+
+GROUPS = ("embed", "attn", "mlp", "head", "norm", "other")
+
+
+def group_of(name: str) -> str:
+    """Layer group of an HF Qwen3 (Llama-like) parameter name.
+
+    "norm": every RMSNorm weight (input/post-attention, q_norm/k_norm, the final norm);
+    "embed": embed_tokens (with tied embeddings it is the head too); "head": lm_head;
+    "attn": self_attn projections; "mlp": gate/up/down projections; else "other".
+    """
+    if "norm" in name:
+        return "norm"
+    for key, grp in (("embed_tokens", "embed"), ("lm_head", "head"), ("self_attn", "attn"),
+                     ("mlp", "mlp")):
+        if key in name:
+            return grp
+    return "other"
+
+
+def layer_groups(model: torch.nn.Module) -> dict[str, str]:
+    """{parameter name: group} for model.named_parameters() (see `group_of`)."""
+    return {name: group_of(name) for name, _ in model.named_parameters()}
+
+
+def residual_grad_outputs(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> Tensor:
+    """(B, T) D with d_n at (rep(n), t_n), 0 elsewhere (d_n from `node_coefficients`)."""
+    d = node_coefficients(W, batch, sn).d
+    D = torch.zeros(batch.tokens.shape, dtype=d.dtype, device=d.device)
+    return D.index_put_((sn.rep, sn.position), d, accumulate=True)
+
+
+def _norms(tax: dict[str, Tensor], total: dict[str, Tensor], names) -> dict[str, Tensor]:
+    """0-dim tensors tax_norm, total_norm, tax_share, tax_cos over the parameters `names`."""
+    ref = next(iter(tax.values()))
+    z = ref.new_zeros(())
+    tt = sum(((tax[n] * tax[n]).sum() for n in names), z)
+    gg = sum(((total[n] * total[n]).sum() for n in names), z)
+    tg = sum(((tax[n] * total[n]).sum() for n in names), z)
+    tn, gn = tt.sqrt(), gg.sqrt()
+    share = torch.where(gn > 0, tn / torch.where(gn > 0, gn, 1), 0)  # 0 when g_total = 0
+    den = tn * gn
+    cos = torch.where(den > 0, tg / torch.where(den > 0, den, 1), 0)
+    return {"tax_norm": tn, "total_norm": gn, "tax_share": share, "tax_cos": cos}
+
+
+def learning_tax(
+    logps: Tensor,
+    W: Tensor,
+    batch: TokenBatch,
+    params: dict[str, Tensor],
+    nodes: str = "prefix",
+    groups: dict[str, str] | None = None,
+    sn: SharedNodes | None = None,
+    g_total: dict[str, Tensor] | None = None,
+    retain_graph: bool = False,
+) -> dict:
+    """g_tax and its size relative to the loss gradient, overall and per layer group.
+
+    logps (B, T): the log-prob tensor the loss was built from, graph still alive (the caller
+    ran loss.backward(retain_graph=True)). W (B, T): the modulation of that loss, e.g.
+    `ModulationProbe.W`. params: {name: parameter}, e.g. dict(model.named_parameters()).
+    g_total: the loss gradient per parameter; default each param's `.grad` (None → 0).
+    groups: {name: group}; default `group_of(name)`. sn: precomputed nodes of kind `nodes`.
+
+    Returns (all figures are 0-dim tensors on the device — no host sync; `.item()` them once):
+      tax_norm ‖g_tax‖, total_norm ‖g_total‖, tax_share ‖g_tax‖/‖g_total‖ (0 if g_total = 0),
+      tax_cos cos(g_tax, g_total) (0 if either is 0), n_nodes (int),
+      groups {group: {the same four}}, g_tax {name: tensor like the param, loss-gradient sign}.
+    """
+    check_logps(logps, "learning_tax")
+    if not params:
+        raise ValueError("learning_tax: params is empty")
+    if W.shape != logps.shape:
+        raise ValueError(f"learning_tax: W is {tuple(W.shape)}, logps is {tuple(logps.shape)}")
+    sn = shared_nodes(batch, nodes) if sn is None else sn
+    names = list(params)
+    if sn.n:
+        D = residual_grad_outputs(W, batch, sn).to(logps.dtype)
+        # loss-gradient sign: the residual's share of −Σ W ∇l is −Σ d ∇l_rep
+        grads = torch.autograd.grad(logps, [params[n] for n in names], grad_outputs=-D,
+                                    retain_graph=retain_graph, allow_unused=True)
+    else:  # no shared token: no tax, no extra pass
+        grads = [None] * len(names)
+    tax = {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads)}
+    if g_total is None:
+        g_total = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()}
+    groups = {n: group_of(n) for n in names} if groups is None else groups
+    by_group: dict[str, list[str]] = {}
+    for n in names:
+        by_group.setdefault(groups.get(n, "other"), []).append(n)
+    out = _norms(tax, g_total, names)
+    out["n_nodes"] = sn.n
+    out["groups"] = {g: _norms(tax, g_total, ns) for g, ns in by_group.items()}
+    out["g_tax"] = tax
+    return out

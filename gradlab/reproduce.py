@@ -1,0 +1,58 @@
+"""The main job: the default tandem on the built-in task, its figures and a summary table."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from . import plots
+from .config import RunConfig
+from .store import load_run
+from .train import train
+
+SUMMARY_METRICS = ["accuracy", "reward", "rho_prefix", "rho_trie", "shared_frac_prefix",
+                   "tax_share", "probe_kl", "entropy", "logodds_abs", "w_dev"]
+
+
+def summarize(tidy: pd.DataFrame, last: int = 5) -> pd.DataFrame:
+    """Per objective: first-step and last-`last`-steps accuracy, means of the diagnostics,
+    tokens consumed and seconds per rollout step (median)."""
+    wide = tidy.pivot_table(index=["objective", "seed", "step"], columns="metric",
+                            values="value").reset_index()
+    rows = []
+    for obj, d in wide.groupby("objective", sort=False):
+        d = d.sort_values("step")
+        tail = d[d["step"] > d["step"].max() - last]
+        row = {"objective": obj, "acc_first": d["accuracy"].iloc[0],
+               f"acc_last{last}": tail["accuracy"].mean()}
+        for m in SUMMARY_METRICS[1:]:
+            if m in d:
+                row[m] = d[m].mean()
+        row["tokens"] = tidy[tidy["objective"] == obj]["tokens"].max()
+        for t in ("time_step", "time_rollout", "time_update", "time_probes"):
+            if t in d:
+                row[f"{t}_s"] = d[t].median()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def reproduce(cfg: RunConfig, resume: bool = False) -> str:
+    """Train, draw, summarise; returns the summary as markdown (also in <out>/summary.md)."""
+    t0 = time.time()
+    store = train(cfg, resume=resume)
+    t_train = time.time() - t0
+    tidy = load_run(store.path)
+    figdir = Path(store.path) / "figures"
+    plots.save(plots.training_curves(tidy, smooth=3), figdir / "training_curves.png")
+    table = summarize(tidy)
+    md = ["# gradlab reproduce — summary", "",
+          f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G}, "
+          f"{cfg.minibatches} optimizer steps per rollout, seed {cfg.seed}, task {cfg.task}"
+          f" (difficulty {cfg.difficulty}); training took {t_train:.0f} s.", "",
+          table.to_markdown(index=False, floatfmt=".3g"), "",
+          "Figures: figures/training_curves.png. Metrics: metrics.jsonl (gradlab.load_run)."]
+    text = "\n".join(md)
+    (Path(store.path) / "summary.md").write_text(text + "\n")
+    return text

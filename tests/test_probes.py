@@ -1,0 +1,331 @@
+"""Probes on a real tiny Qwen3: measured W, learning tax, DFPO as a hook, drift, hook hygiene."""
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributions import Categorical
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from gradlab import objectives
+from gradlab.batch import TokenBatch, advantages
+from gradlab.cancellation import cancellation, node_coefficients
+from gradlab.nodes import shared_nodes
+from gradlab.probes import (
+    DFPOGradientTransform, ModulationProbe, Schedule, entropy, equal_solution_logodds,
+    kl_rows, layer_groups, learning_tax, node_drift,
+)
+from gradlab.testing import measure_modulation
+
+V, P, T, N_GROUPS, G, PREFIX = 16, 3, 8, 3, 4, 3
+B = N_GROUPS * G
+
+
+def _rmsnorm_forward(self, h):
+    """Qwen3RMSNorm in the input's precision: HF's upcast to float32 would round float64."""
+    x = h.to(torch.promote_types(h.dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(h.dtype)
+
+
+def _model(dtype, seed=0):
+    """Tiny Qwen3. For exactness in float64: sdpa attention (eager's softmax runs in float32)
+    and the RMSNorms patched to keep float64."""
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=32, tie_word_embeddings=False, initializer_range=0.3,
+                      attention_dropout=0.0, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).to(dtype)
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3RMSNorm":
+            m.forward = types.MethodType(_rmsnorm_forward, m)
+    return model
+
+
+def _data(seed=0):
+    """[prompt | response] ids: equal-length prompts (no left padding), right-padded responses
+    sharing a PREFIX per group, then branching over a 2-token alphabet (a trie); rows shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    group = torch.arange(N_GROUPS).repeat_interleave(G)
+    prompts = torch.randint(2, V, (N_GROUPS, P), generator=g)[group]
+    tokens = torch.randint(2, 4, (B, T), generator=g)
+    tokens[:, :PREFIX] = torch.randint(2, V, (N_GROUPS, PREFIX), generator=g)[group]
+    lengths = torch.randint(PREFIX + 1, T + 1, (B,), generator=g)
+    lengths[::G], lengths[1::G] = T, PREFIX + 1  # unequal lengths in every group
+    mask = torch.arange(T) < lengths.unsqueeze(-1)
+    rewards = (torch.rand(B, generator=g) < 0.5).double()
+    rewards[::G], rewards[1::G] = 1.0, 0.0
+    perm = torch.randperm(B, generator=g)
+    return {"prompts": prompts[perm], "tokens": torch.where(mask, tokens, 0)[perm],
+            "mask": mask[perm], "group": group[perm], "rewards": rewards[perm]}
+
+
+def _logprobs(model, d):
+    """(B, T, V) log-softmax over the response positions (position t predicts token t)."""
+    ids = torch.cat([d["prompts"], d["tokens"]], 1)
+    am = torch.cat([torch.ones_like(d["prompts"]), d["mask"].long()], 1)
+    logits = model(input_ids=ids, attention_mask=am, use_cache=False).logits
+    return F.log_softmax(logits[:, P - 1:-1], -1)
+
+
+def _token_logps(logprobs, d):
+    return logprobs.gather(-1, d["tokens"].unsqueeze(-1)).squeeze(-1).masked_fill(~d["mask"], 0)
+
+
+def _batch(d, lp, old):
+    adv = advantages(d["rewards"].to(lp.dtype), d["group"])
+    return TokenBatch(d["tokens"], d["mask"], lp, old, adv, d["group"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The model is tiny: one intra-op thread is faster, and immune to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["f64", "f32"])
+def setup(request):
+    """(model, data, old_logps): old policy = the model with perturbed weights (off-policy)."""
+    dtype = request.param
+    model, d = _model(dtype), _data()
+    old = copy.deepcopy(model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in old.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype))
+        old_lp = _token_logps(_logprobs(old, d), d)
+    return model, d, old_lp
+
+
+def _step(setup, on_policy=False):
+    """A fresh forward: (params, logps (B, T) with graph, batch on those logps)."""
+    model, d, old = setup
+    model.zero_grad(set_to_none=True)
+    lp = _token_logps(_logprobs(model, d), d)
+    return dict(model.named_parameters()), lp, _batch(d, lp, lp.detach() if on_policy else old)
+
+
+OBJS = [(n, {}) for n in objectives.names()] + [("grpo", {"norm": "seq"}),
+                                                ("grpo", {"norm": "const"}),
+                                                ("gspo", {"eps": (0.2, 0.2)})]
+
+
+def test_measured_W_equals_closed_form(setup):
+    _, lp, batch = _step(setup)
+    tol = 1e-10 if lp.dtype == torch.float64 else 1e-6
+    assert objectives.get("grpo").stats(batch)["clip_frac"] > 0  # off-policy enough to clip
+    for name, params in OBJS:
+        obj = objectives.get(name, **params)
+        with ModulationProbe() as probe:
+            obj.loss(batch.replace(logps=probe.watch(lp))).backward(retain_graph=True)
+        scale = probe.W.abs().max()
+        assert probe.W.shape == (B, T) and not probe.W.requires_grad and scale > 0
+        dev = probe.deviation(obj, batch)
+        assert dev.dim() == 0 and dev <= tol * scale, (name, params, float(dev), float(scale))
+
+
+def test_shared_positions_have_equal_logps(setup):
+    _, lp, batch = _step(setup)
+    sn = shared_nodes(batch, "trie")
+    rows, cols = (sn.node >= 0).nonzero(as_tuple=True)
+    ref = lp[sn.rep[sn.node[rows, cols]], cols]
+    tol = 1e-12 if lp.dtype == torch.float64 else 1e-5
+    assert (lp[rows, cols] - ref).abs().max() < tol
+    assert sn.n > shared_nodes(batch, "prefix").n > 0  # trie nodes beyond the prefix
+
+
+def _user_loss(norm):
+    """A hand-written PPO-clip loss: per-sequence 1/|o_i| ("seq") or constant 1/(B T) norm."""
+    def loss(lp, old, adv, mask, eps=0.2):
+        r = torch.exp(lp - old)
+        a = adv.unsqueeze(-1)
+        per_tok = -torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a) * mask
+        if norm == "seq":
+            return (per_tok.sum(-1) / mask.sum(-1)).mean()
+        return per_tok.sum() / (mask.shape[0] * mask.shape[1])
+    return loss
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_user_written_loss(setup, on_policy):
+    rho = {}
+    for norm in ("seq", "const"):
+        loss_fn = _user_loss(norm)
+        _, lp, batch = _step(setup, on_policy)
+        with ModulationProbe() as probe:
+            loss_fn(probe.watch(lp), batch.old_logps, batch.advantages, batch.mask).backward()
+        ref = measure_modulation(lambda b: loss_fn(b.logps, b.old_logps, b.advantages, b.mask),
+                                 batch.replace(logps=lp.detach()))
+        tol = 1e-12 if lp.dtype == torch.float64 else 1e-7
+        assert (probe.W - ref).abs().max() <= tol * ref.abs().max()
+        rho[norm] = cancellation(probe.W, batch, "prefix").ratio
+    assert rho["seq"] > 1e-2  # unequal lengths: 1/|o_i| breaks cancellation
+    if on_policy and lp.dtype == torch.float64:
+        assert rho["const"] < 1e-12
+    elif on_policy:
+        assert rho["const"] < 1e-5
+
+
+@pytest.mark.parametrize("nodes", ["prefix", "trie"])
+def test_learning_tax_equals_brute_force(setup, nodes):
+    params, lp, batch = _step(setup)
+    if lp.dtype != torch.float64:
+        pytest.skip("exactness check in float64")
+    obj = objectives.get("gspo", eps=(0.2, 0.2))
+    with ModulationProbe() as probe:
+        obj.loss(batch.replace(logps=probe.watch(lp))).backward(retain_graph=True)
+        tax = learning_tax(lp, probe.W, batch, params, nodes=nodes, retain_graph=True)
+    assert probe.deviation(obj, batch) < 1e-12 * probe.W.abs().max()  # tax pass not recorded
+    sn = shared_nodes(batch, nodes)
+    d = node_coefficients(probe.W, batch, sn).d
+    brute = {n: torch.zeros_like(p) for n, p in params.items()}
+    for k in range(sn.n):  # one autograd call per node: −d_n ∇θ l_{rep(n), t_n}
+        gs = torch.autograd.grad(lp[sn.rep[k], sn.position[k]], list(params.values()),
+                                 retain_graph=True, allow_unused=True)
+        for (n, _), g in zip(params.items(), gs):
+            if g is not None:
+                brute[n] -= d[k] * g
+    scale = max(float(g.abs().max()) for g in brute.values())
+    assert scale > 0 and tax["n_nodes"] == sn.n
+    for n in params:
+        assert torch.allclose(tax["g_tax"][n], brute[n], rtol=0, atol=1e-10 * scale), n
+    flat = torch.cat([g.flatten() for g in brute.values()])
+    total = torch.cat([p.grad.flatten() for p in params.values()])
+    assert torch.isclose(tax["tax_norm"], flat.norm(), rtol=1e-10)
+    assert torch.isclose(tax["tax_share"], flat.norm() / total.norm(), rtol=1e-10)
+    assert torch.isclose(tax["tax_cos"], F.cosine_similarity(flat, total, dim=0), rtol=1e-8)
+    assert set(tax["groups"]) == {"embed", "attn", "mlp", "head", "norm"}
+    parts = sum(v["tax_norm"] ** 2 for v in tax["groups"].values())
+    assert torch.isclose(parts, tax["tax_norm"] ** 2, rtol=1e-10)
+
+
+def test_no_tax_when_exchangeable(setup):
+    params, lp, batch = _step(setup, on_policy=True)
+    obj = objectives.get("grpo", norm="const")
+    obj.loss(batch).backward(retain_graph=True)
+    tax = learning_tax(lp, obj.modulation(batch), batch, params)
+    assert tax["total_norm"] > 0 and tax["tax_share"] < 1e-5
+
+
+def test_layer_groups():
+    groups = layer_groups(_model(torch.float64))
+    assert groups["model.embed_tokens.weight"] == "embed" and groups["lm_head.weight"] == "head"
+    assert groups["model.layers.0.self_attn.q_proj.weight"] == "attn"
+    assert groups["model.layers.1.self_attn.k_norm.weight"] == "norm"
+    assert groups["model.layers.0.mlp.down_proj.weight"] == "mlp"
+    assert groups["model.norm.weight"] == "norm" and "other" not in groups.values()
+
+
+CASES = [(tr, wm, nodes) for tr in ("min", "orth") for wm in ("given", "derived")
+         for nodes in ("prefix", "trie")]
+
+
+@pytest.mark.parametrize("transform,weight_mode,nodes", CASES)
+def test_dfpo_transform_equals_objective(setup, transform, weight_mode, nodes):
+    params, lp, batch = _step(setup)
+    if lp.dtype != torch.float64:
+        pytest.skip("exactness check in float64")
+    eps = (0.1, 0.1)
+    dfpo = objectives.get("dfpo", transform=transform, base="gspo", nodes=nodes, eps=eps)
+    ref = torch.autograd.grad(dfpo.loss(batch), list(params.values()), retain_graph=True)
+    gspo = objectives.get("gspo", eps=eps)
+    weight = gspo.weight(batch) if weight_mode == "given" else None
+    with DFPOGradientTransform(batch, transform, nodes=nodes, weight=weight) as t, \
+            ModulationProbe() as probe:  # the probe, watching after t, sees W̃
+        lp2 = probe.watch(t.watch(lp))
+        got = torch.autograd.grad(gspo.loss(batch.replace(logps=lp2)), list(params.values()))
+    scale = max(float(g.abs().max()) for g in ref)
+    for (n, _), a, b in zip(params.items(), ref, got):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10 * scale), n
+    W_dfpo = dfpo.modulation(batch)
+    assert (probe.W - W_dfpo).abs().max() < 1e-12 * W_dfpo.abs().max()
+    assert (t.W - gspo.modulation(batch)).abs().max() < 1e-12 * W_dfpo.abs().max()
+    assert not torch.allclose(t.W, t.W_tilde)  # the transform did something
+
+
+def test_drift_against_two_forwards(setup):
+    model, d, _ = setup
+    if model.dtype != torch.float64:
+        pytest.skip("exactness check in float64")
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        before = _logprobs(model, d)
+    _, lp, batch = _step((model, d, setup[2]))
+    objectives.get("gspo", eps=(0.2, 0.2)).loss(batch).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 20.0 * p.grad  # one SGD step
+        after = _logprobs(model, d)
+    sn = shared_nodes(batch, "trie")
+    out = node_drift(before, after, batch, sn)
+    # independent: a Python loop with torch.distributions
+    kl, dl = [], []
+    for k in range(sn.n):
+        i, t, a = int(sn.rep[k]), int(sn.position[k]), int(sn.token[k])
+        kl.append(torch.distributions.kl_divergence(Categorical(logits=before[i, t]),
+                                                    Categorical(logits=after[i, t])))
+        dl.append(after[i, t, a] - before[i, t, a])
+    kl, dl = torch.stack(kl), torch.stack(dl)
+    assert kl.min() > 0 and int(out["node_count"]) == sn.n
+    assert torch.isclose(out["node_kl_sum"], kl.sum(), rtol=1e-10)
+    assert torch.isclose(out["node_kl_mean"], kl.mean(), rtol=1e-10)
+    assert torch.isclose(out["node_dlogp_mean"], dl.mean(), rtol=1e-10)
+    for sign, key in ((1, "div_pos"), (-1, "div_neg")):
+        keep = [(i, t) for i in range(B) for t in range(T) if batch.mask[i, t]
+                and sn.node[i, t] < 0 and torch.sign(batch.advantages[i]) == sign]
+        kls = [torch.distributions.kl_divergence(Categorical(logits=before[i, t]),
+                                                 Categorical(logits=after[i, t])) for i, t in keep]
+        assert len(keep) > 0 and int(out[f"{key}_count"]) == len(keep)
+        assert torch.isclose(out[f"{key}_kl_mean"], torch.stack(kls).mean(), rtol=1e-10)
+    rows = before[sn.rep, sn.position]  # a fixed probe set of shared contexts, (K, V)
+    assert torch.allclose(kl_rows(rows, after[sn.rep, sn.position]), kl, rtol=1e-10)
+    assert torch.allclose(entropy(rows), Categorical(logits=rows).entropy(), rtol=1e-12)
+
+
+def test_equal_solution_logodds():
+    la = torch.tensor([-3.0, -1.0, -800.0, 0.0], dtype=torch.float64)
+    lb = torch.tensor([-3.0, -2.0, -1.0, -900.0], dtype=torch.float64)
+    x, h = equal_solution_logodds(la, lb)
+    assert torch.equal(x, la - lb) and torch.isfinite(h).all()
+    p = torch.sigmoid(x[:2])
+    assert torch.allclose(h[:2], -(p * p.log() + (1 - p) * (1 - p).log()), rtol=1e-12)
+    assert torch.isclose(h[0], torch.tensor(2.0, dtype=torch.float64).log())
+    assert h[2] < 1e-300 and h[3] < 1e-300
+
+
+def test_hooks_removed_on_exit_and_exception(setup):
+    params, lp, batch = _step(setup)
+    loss = objectives.get("grpo").loss(batch)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ModulationProbe() as probe, DFPOGradientTransform(batch, "orth") as t:
+            t.watch(probe.watch(lp))
+            raise RuntimeError("boom")
+    assert not lp._backward_hooks  # both hooks are gone
+    g = torch.autograd.grad(loss, lp, retain_graph=True)[0]
+    assert probe.W is None and t.W_tilde is None
+    assert torch.allclose(-g, objectives.get("grpo").modulation(batch), rtol=0, atol=1e-6)
+    with ModulationProbe() as probe:
+        probe.watch(lp)
+    loss.backward()
+    assert probe.W is None and not lp._backward_hooks
+
+
+def test_schedule_and_disabled_probe(setup):
+    s = Schedule(every=3, start=2)
+    assert [k for k in range(10) if s.active(k)] == [2, 5, 8]
+    with pytest.raises(ValueError):
+        Schedule(every=0)
+    _, lp, batch = _step(setup)
+    with ModulationProbe(enabled=s.active(0)) as probe:
+        assert probe.watch(lp) is lp and not lp._backward_hooks
+        objectives.get("gspo").loss(batch).backward()
+    assert probe.W is None
+    with pytest.raises(ValueError, match="require grad"):
+        ModulationProbe().watch(lp.detach())
