@@ -1,4 +1,4 @@
-"""The `gradlab` command: run, tandem, reproduce, table.
+"""The `gradlab` command: run, tandem, reproduce, table, check, audit.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
 Bad options get a one-line error naming the option and its valid values.
@@ -118,7 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
     tab.add_argument("--seed", type=int, default=0)
     tab.add_argument("--off-policy", type=float, default=0.3)
     tab.set_defaults(fn=cmd_table)
+    chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
+                         add_help=False)
+    chk.set_defaults(fn=lambda a: _delegate("gradlab.check", a.rest))
+    aud = sub.add_parser("audit", help="audit a trainer's loss settings (gradlab audit trl)",
+                         add_help=False)
+    aud.set_defaults(fn=lambda a: _delegate("gradlab.integrations.trl_audit", a.rest))
+    for sp in (chk, aud):
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    """Sub-commands that own their argument parsing: module.main(argv) -> exit code."""
+    import importlib
+
+    return importlib.import_module(module).main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,15 @@ from gradlab.batch import TokenBatch, advantages
 from gradlab.cancellation import cancellation, node_coefficients
 from gradlab.nodes import shared_nodes
 from gradlab.probes import (
-    DFPOGradientTransform, ModulationProbe, Schedule, entropy, equal_solution_logodds,
-    kl_rows, layer_groups, learning_tax, node_drift,
+    DFPOGradientTransform,
+    ModulationProbe,
+    Schedule,
+    entropy,
+    equal_solution_logodds,
+    kl_rows,
+    layer_groups,
+    learning_tax,
+    node_drift,
 )
 from gradlab.testing import measure_modulation
 
@@ -90,10 +97,8 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["f64", "f32"])
-def setup(request):
+def _make_setup(dtype):
     """(model, data, old_logps): old policy = the model with perturbed weights (off-policy)."""
-    dtype = request.param
     model, d = _model(dtype), _data()
     old = copy.deepcopy(model)
     with torch.no_grad():
@@ -102,6 +107,16 @@ def setup(request):
             p.add_(0.03 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype))
         old_lp = _token_logps(_logprobs(old, d), d)
     return model, d, old_lp
+
+
+@pytest.fixture(scope="module")
+def f64():
+    return _make_setup(torch.float64)
+
+
+@pytest.fixture(scope="module", params=["f64", "f32"])
+def setup(request, f64):
+    return f64 if request.param == "f64" else _make_setup(torch.float32)
 
 
 def _step(setup, on_policy=False):
@@ -161,8 +176,9 @@ def test_user_written_loss(setup, on_policy):
         _, lp, batch = _step(setup, on_policy)
         with ModulationProbe() as probe:
             loss_fn(probe.watch(lp), batch.old_logps, batch.advantages, batch.mask).backward()
-        ref = measure_modulation(lambda b: loss_fn(b.logps, b.old_logps, b.advantages, b.mask),
-                                 batch.replace(logps=lp.detach()))
+        ref = measure_modulation(
+            lambda b, f=loss_fn: f(b.logps, b.old_logps, b.advantages, b.mask),
+            batch.replace(logps=lp.detach()))
         tol = 1e-12 if lp.dtype == torch.float64 else 1e-7
         assert (probe.W - ref).abs().max() <= tol * ref.abs().max()
         rho[norm] = cancellation(probe.W, batch, "prefix").ratio
@@ -174,10 +190,8 @@ def test_user_written_loss(setup, on_policy):
 
 
 @pytest.mark.parametrize("nodes", ["prefix", "trie"])
-def test_learning_tax_equals_brute_force(setup, nodes):
-    params, lp, batch = _step(setup)
-    if lp.dtype != torch.float64:
-        pytest.skip("exactness check in float64")
+def test_learning_tax_equals_brute_force(f64, nodes):
+    params, lp, batch = _step(f64)
     obj = objectives.get("gspo", eps=(0.2, 0.2))
     with ModulationProbe() as probe:
         obj.loss(batch.replace(logps=probe.watch(lp))).backward(retain_graph=True)
@@ -228,10 +242,8 @@ CASES = [(tr, wm, nodes) for tr in ("min", "orth") for wm in ("given", "derived"
 
 
 @pytest.mark.parametrize("transform,weight_mode,nodes", CASES)
-def test_dfpo_transform_equals_objective(setup, transform, weight_mode, nodes):
-    params, lp, batch = _step(setup)
-    if lp.dtype != torch.float64:
-        pytest.skip("exactness check in float64")
+def test_dfpo_transform_equals_objective(f64, transform, weight_mode, nodes):
+    params, lp, batch = _step(f64)
     eps = (0.1, 0.1)
     dfpo = objectives.get("dfpo", transform=transform, base="gspo", nodes=nodes, eps=eps)
     ref = torch.autograd.grad(dfpo.loss(batch), list(params.values()), retain_graph=True)
@@ -250,14 +262,12 @@ def test_dfpo_transform_equals_objective(setup, transform, weight_mode, nodes):
     assert not torch.allclose(t.W, t.W_tilde)  # the transform did something
 
 
-def test_drift_against_two_forwards(setup):
-    model, d, _ = setup
-    if model.dtype != torch.float64:
-        pytest.skip("exactness check in float64")
+def test_drift_against_two_forwards(f64):
+    model, d, old = f64
     model = copy.deepcopy(model)
     with torch.no_grad():
         before = _logprobs(model, d)
-    _, lp, batch = _step((model, d, setup[2]))
+    _, _, batch = _step((model, d, old))
     objectives.get("gspo", eps=(0.2, 0.2)).loss(batch).backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -301,20 +311,25 @@ def test_equal_solution_logodds():
 
 
 def test_hooks_removed_on_exit_and_exception(setup):
-    params, lp, batch = _step(setup)
+    _, lp, batch = _step(setup)
     loss = objectives.get("grpo").loss(batch)
-    with pytest.raises(RuntimeError, match="boom"):
-        with ModulationProbe() as probe, DFPOGradientTransform(batch, "orth") as t:
-            t.watch(probe.watch(lp))
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), ModulationProbe() as probe, \
+            DFPOGradientTransform(batch, "orth") as t:
+        t.watch(probe.watch(lp))
+        raise RuntimeError("boom")
     assert not lp._backward_hooks  # both hooks are gone
     g = torch.autograd.grad(loss, lp, retain_graph=True)[0]
     assert probe.W is None and t.W_tilde is None
     assert torch.allclose(-g, objectives.get("grpo").modulation(batch), rtol=0, atol=1e-6)
     with ModulationProbe() as probe:
         probe.watch(lp)
-    loss.backward()
+    loss.backward(retain_graph=True)
     assert probe.W is None and not lp._backward_hooks
+    with DFPOGradientTransform(batch, "orth") as t:  # transforms the first backward only
+        t.watch(lp)
+        g1 = torch.autograd.grad(loss, lp, retain_graph=True)[0]
+        g2 = torch.autograd.grad(loss, lp)[0]
+    assert torch.equal(-g1, t.W_tilde) and torch.equal(-g2, t.W) and not torch.equal(g1, g2)
 
 
 def test_schedule_and_disabled_probe(setup):

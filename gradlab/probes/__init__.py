@@ -12,6 +12,6 @@ from .tax import group_of, layer_groups, learning_tax
 from .transform import DFPOGradientTransform
 
 __all__ = [
-    "ModulationProbe", "Schedule", "learning_tax", "layer_groups", "group_of",
-    "DFPOGradientTransform", "node_drift", "kl_rows", "entropy", "equal_solution_logodds",
+    "DFPOGradientTransform", "ModulationProbe", "Schedule", "entropy", "equal_solution_logodds",
+    "group_of", "kl_rows", "layer_groups", "learning_tax", "node_drift",
 ]

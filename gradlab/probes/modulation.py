@@ -16,11 +16,15 @@ The hook stores a device tensor and does nothing else: no `.item()`, no host syn
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from ..batch import TokenBatch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class ModulationProbe:
         self.records: list[Tensor | None] = []  # one W per watch() call, in order
         self._handles: list[RemovableHandle] = []
 
-    def __enter__(self) -> ModulationProbe:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -15,6 +15,8 @@ anything else in W (a KL term) passes through unchanged; w̃ = w elsewhere, so W
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
@@ -23,6 +25,9 @@ from ..batch import TokenBatch
 from ..dfpo import SCOPES, TRANSFORMS, node_map, transform_weights
 from ..nodes import NODE_KINDS
 from .modulation import check_logps
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class DFPOGradientTransform:
@@ -71,7 +76,7 @@ class DFPOGradientTransform:
         wt = transform_weights(w, self._adv, self._node, self._n, self.transform, self.factor)
         return self._adv.to(w.dtype).unsqueeze(-1) * (wt - w)
 
-    def __enter__(self) -> DFPOGradientTransform:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> bool:
