@@ -28,6 +28,10 @@ class TokenBatch:
       group       (B,)   long   — rows with equal values belong to one prompt's group;
                                   rows of a group need not be contiguous
       ref_logps   (B, T) float or None — reference policy, only for a KL term (beta > 0)
+      n_seqs, n_tokens, width  int or None — the totals that loss normalisers use (number of
+                  sequences B, masked-in tokens Σ T_i, padded width T_max). None = this batch's
+                  own. Data-parallel training sets them to the global batch's totals so that
+                  the per-rank losses add up to the single-process loss.
 
     Construction validates shapes, dtypes, devices and finiteness (on masked-in positions) and
     raises ValueError naming the field at fault. Set `validate=False` to skip the finiteness
@@ -41,6 +45,9 @@ class TokenBatch:
     advantages: Tensor
     group: Tensor
     ref_logps: Tensor | None = None
+    n_seqs: int | None = None
+    n_tokens: int | None = None
+    width: int | None = None
     validate: bool = True
 
     def __post_init__(self) -> None:
@@ -53,6 +60,20 @@ class TokenBatch:
     @property
     def T(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def norm_seqs(self) -> int:
+        """B used by the normalisers (global under data parallelism)."""
+        return self.B if self.n_seqs is None else self.n_seqs
+
+    @property
+    def norm_width(self) -> int:
+        """T_max used by constant normalisation (global under data parallelism)."""
+        return self.T if self.width is None else self.width
+
+    def norm_tokens(self) -> Tensor | int:
+        """Σ_j T_j used by token-mean normalisation (≥ 1)."""
+        return max(self.n_tokens, 1) if self.n_tokens is not None else self.mask.sum().clamp(min=1)
 
     @property
     def lengths(self) -> Tensor:

@@ -153,10 +153,10 @@ class GRPO(Objective):
     def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
         m = batch.mask.to(_f(batch.logps).dtype)
         if self.norm_kind == "seq":
-            return m / (batch.B * _lengths(batch, off)).unsqueeze(-1)
+            return m / (batch.norm_seqs * _lengths(batch, off)).unsqueeze(-1)
         if self.norm_kind == "token":
-            return m / m.sum().clamp(min=1)
-        return m / (batch.B * (self.max_len or batch.T))
+            return m / batch.norm_tokens()
+        return m / (batch.norm_seqs * (self.max_len or batch.norm_width))
 
     def ratio(self, batch: TokenBatch) -> Tensor:
         return torch.exp(_f(batch.logps) - _f(batch.old_logps))  # (B, T)
@@ -239,7 +239,7 @@ class GSPO(Objective):
 
     def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
         m = batch.mask.to(_f(batch.logps).dtype)
-        return m / (batch.B * _lengths(batch, off)).unsqueeze(-1)
+        return m / (batch.norm_seqs * _lengths(batch, off)).unsqueeze(-1)
 
     def seq_ratio(self, batch: TokenBatch) -> Tensor:
         """(B,) s_i; with gradient."""
@@ -248,7 +248,7 @@ class GSPO(Objective):
 
     def policy_loss(self, batch: TokenBatch) -> Tensor:
         per_seq = _ppo(self.seq_ratio(batch), _f(batch.advantages), self.eps)  # (B,)
-        return per_seq.mean()
+        return per_seq.sum() / batch.norm_seqs
 
     def weight(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> Tensor:
         """w with W = A·w: (B, T) = (1/B)(s_i/T_i) 1[active_i] on masked-in positions."""

@@ -71,18 +71,49 @@ def _autocast(device: torch.device, amp: bool):
     return contextlib.nullcontext()
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+_MIX1, _MIX2, _GOLD = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(0x9E3779B97F4A7C15)
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def hashed_uniform(row_keys: torch.Tensor, t: int, V: int) -> torch.Tensor:
+    """(N, V) uniforms in (0, 1) from a counter-based hash (splitmix64) of (row key, t, v).
+
+    A row's noise depends on its key only, not on which other rows share the batch: the same
+    global row samples the same tokens in one process or sharded over data-parallel ranks.
+    """
+    v = torch.arange(V, device=row_keys.device, dtype=torch.long)
+    x = row_keys.long()[:, None] * _GOLD + (t * V + v + 1) * _MIX2
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    x = x ^ _srl(x, 31)
+    return (_srl(x, 40).float() + 0.5) / float(1 << 24)
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+            row_keys: torch.Tensor | None = None, t: int = 0):
     """Sample one token per row by Gumbel-max; returns (token (N,), log-prob (N,) at temperature).
 
     Gumbel-max with uniforms drawn from `generator` (on the generator's device) keeps sampling
-    deterministic and independent of the global RNG. temperature == 0 means greedy (logp of the
-    untempered distribution is returned then).
+    deterministic and independent of the global RNG; with `row_keys` (N,) the uniforms are
+    hashed from (key, t) instead (batch-layout independent, see `hashed_uniform`).
+    temperature == 0 means greedy (logp of the untempered distribution is returned then).
     """
     logits = logits.float()
     if temperature > 0:
         logp = F.log_softmax(logits / temperature, dim=-1)  # (N, V)
-        gen_device = generator.device if generator is not None else logits.device
-        u = torch.rand(logp.shape, generator=generator, device=gen_device).to(logp.device)
+        if row_keys is not None:
+            u = hashed_uniform(row_keys, t, logp.shape[-1]).to(logp.device)
+        else:
+            gen_device = generator.device if generator is not None else logits.device
+            u = torch.rand(logp.shape, generator=generator, device=gen_device).to(logp.device)
         gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
         tok = (logp + gumbel).argmax(-1)
     else:
@@ -109,6 +140,7 @@ def generate(
     generator: torch.Generator | None = None,
     amp: bool = False,
     task=None,
+    row_keys: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample G responses per problem with a KV cache; stop each row at its first EOS.
 
@@ -116,6 +148,9 @@ def generate(
     put in eval mode and restored afterwards. If `task` is given, rewards are scored too.
     Note: special tokens other than EOS are not masked out of the sampling distribution, so
     old_logps are exactly the model's log-probs at `temperature`.
+    row_keys: optional (len(problems) * G,) int64 keys; when given the sampling noise of each row
+    is hashed from its key (the loop passes step seed + global row index, so data-parallel ranks
+    sample exactly what a single process would) and `generator` is not used.
     """
     device = next(model.parameters()).device
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -167,3 +167,21 @@ def test_attribution_names_the_mechanism():
     assert att["coupling"] == pytest.approx(1.0) and att["clip"] == 0
     att = gradlab.attribution(objectives.get("grpo", norm="const", eps=(0.01, 0.01)), off)
     assert att["clip"] == pytest.approx(1.0) and att["residual"] > 0
+
+
+@pytest.mark.parametrize("name,params", [c for c in COMBOS if c[1].get("stop_grad", True)][:24])
+def test_shards_with_global_totals_add_up_to_the_whole_batch(name, params):
+    """Data parallelism: group-whole shards with global normalisers sum to the full loss and W."""
+    b = _with_ref(random_batch(n_groups=4, G=3, T=9, seed=6, off_policy=0.4))
+    obj = objectives.get(name, **params)
+    full_loss, full_W = obj.loss(b), obj.modulation(b)
+    total_loss, W = 0.0, torch.zeros_like(full_W)
+    for part in ((b.group % 2) == 0, (b.group % 2) == 1):
+        rows = part.nonzero().squeeze(-1)
+        shard = gradlab.TokenBatch(b.tokens[rows], b.mask[rows], b.logps[rows], b.old_logps[rows],
+                                   b.advantages[rows], b.group[rows], b.ref_logps[rows],
+                                   n_seqs=b.B, n_tokens=int(b.mask.sum()), width=b.T)
+        total_loss = total_loss + obj.loss(shard)
+        W[rows] = obj.modulation(shard)
+    assert torch.allclose(total_loss, full_loss, atol=1e-12)
+    assert torch.allclose(W, full_W, atol=1e-14)

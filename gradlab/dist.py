@@ -1,0 +1,90 @@
+"""Data parallelism on PyTorch's distributed runtime (torchrun + DistributedDataParallel).
+
+    torchrun --nproc_per_node=N -m gradlab tandem ...     # gloo on CPU, nccl on CUDA
+
+What is sharded: the prompts of each rollout batch (prompt g goes to rank g mod N, so every
+group stays whole on one rank); rollouts, rewards and advantages are per rank. What is reduced:
+gradients by DDP (then scaled so the update equals the single-process update on the global
+batch, see `Dist.fix_grads`), the loss normalisers' totals (sequences, tokens, width) before
+each loss, and the metrics as sums, counts and maxima (never averages of ratios). Rank 0 alone
+writes the run store and checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            x = x.clone()
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            x = x.clone()
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self.enabled:
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=None if not next(model.parameters()).is_cuda else [model.device])
+
+    def fix_grads(self, model: torch.nn.Module) -> None:
+        """DDP averages gradients over ranks; the per-rank losses already use global
+        normalisers (they sum to the global loss), so multiply back by the world size."""
+        if self.enabled:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.world)
+
+    def local_prompts(self, n: int) -> list[int]:
+        """Global indices of the prompts this rank owns."""
+        return list(range(self.rank, n, self.world))
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def setup(device: str) -> Dist:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); else one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend=backend)
+    rank = dist.get_rank()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return Dist(rank=rank, world=dist.get_world_size())
