@@ -24,7 +24,10 @@ from .rollout import generate, token_logps
 class StepMetrics:
     """Accumulator for one rollout step of one learner."""
 
-    def __init__(self) -> None:
+    def __init__(self, D=None) -> None:
+        from .dist import Dist
+
+        self.D = D if D is not None else Dist()
         self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
         self.means: dict[str, list] = defaultdict(list)  # averaged at finish
         self.maxes: dict[str, list[Tensor]] = defaultdict(list)
@@ -83,39 +86,37 @@ class StepMetrics:
                 self.sums[f"drift_{k}"].append(v)
 
     def finish(self) -> dict:
-        """One host sync: reduce everything to floats."""
-        names, vals = [], []
-        for k, v in self.sums.items():
-            names.append(k)
-            vals.append(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in v]).sum())
-        for k, v in self.means.items():
-            names.append(k)
-            vals.append(torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v]).mean())
-        for k, v in self.maxes.items():
-            names.append(k)
-            vals.append(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in v]).max())
-        out = dict(zip(names, torch.stack([v.cpu() for v in vals]).tolist()))
-        return _ratios(out)
+        """One host sync: reduce everything to floats (across data-parallel ranks too: sums
+        and counts are summed, maxima maxed, per-step means averaged over ranks — except the
+        loss, whose rank parts add up to the global loss)."""
+        def stack(v):
+            return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
 
-    @staticmethod
-    def rollout_metrics(task, ro, parts: list[Tensor]) -> dict:
-        """Reward, accuracy, length, solution-form shares, split groups of one rollout batch."""
+        names = list(self.sums) + list(self.means) + list(self.maxes)
+        sums = torch.stack([stack(v).sum() for v in self.sums.values()] +
+                           [stack(v).mean() * (1 if k == "loss" else 1 / self.D.world)
+                            for k, v in self.means.items()])
+        maxes = torch.stack([stack(v).max() for v in self.maxes.values()]) if self.maxes else None
+        vals = self.D.sum(sums).tolist() + (self.D.max(maxes).tolist() if maxes is not None else [])
+        return _ratios(dict(zip(names, vals)))
+
+    def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
+        """Reward, accuracy, length, solution forms and split groups of the rollout, as sums
+        and counts (reduced over ranks in `finish`)."""
         correct = [task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)]
         forms = [task.solution_form(p, t) for p, t in zip(ro.problems, ro.texts)]
-        n = len(correct)
         step_of = torch.empty_like(ro.group)
         for k, rows in enumerate(parts):
             step_of[rows] = k
-        n_groups = int(ro.group.max()) + 1
-        spread = [torch.unique(step_of[ro.group == g]).numel() > 1 for g in range(n_groups)]
-        r = ro.rewards.view(n_groups, -1)
-        return {
-            "reward": float(ro.rewards.mean()), "accuracy": sum(correct) / n,
-            "length": float(ro.response_mask.sum(-1).float().mean()),
-            "form0_share": forms.count(0) / n, "form1_share": forms.count(1) / n,
-            "split_share": sum(spread) / n_groups,
-            "zero_std_share": float((r.std(-1) == 0).float().mean()),
-        }
+        labels = torch.unique(ro.group)
+        spread = [torch.unique(step_of[ro.group == g]).numel() > 1 for g in labels]
+        zero_std = [bool((ro.rewards[ro.group == g] == ro.rewards[ro.group == g][0]).all())
+                    for g in labels]
+        for k, v in {"reward_sum": ro.rewards.sum(), "n_rows": len(correct),
+                     "correct": sum(correct), "form0": forms.count(0), "form1": forms.count(1),
+                     "length_sum": ro.response_mask.sum(), "n_groups": len(labels),
+                     "split_groups": sum(spread), "zero_std_groups": sum(zero_std)}.items():
+            self.sums[k].append(v)
 
 
 def _dfpo_name(o) -> str:
@@ -136,6 +137,16 @@ def _ratios(s: dict) -> dict:
             stem = key[: -len("_sum")]
             where, _ = stem.rsplit("_", 1)  # drift_node_kl → drift_node (count key)
             out[f"{stem}_mean"] = div(s[key], s.get(f"{where}_count", 0))
+    if "n_rows" in s:
+        r = s["n_rows"]
+        out.update({"reward": div(s["reward_sum"], r), "accuracy": div(s["correct"], r),
+                    "length": div(s["length_sum"], r), "form0_share": div(s["form0"], r),
+                    "form1_share": div(s["form1"], r),
+                    "split_share": div(s["split_groups"], s["n_groups"]),
+                    "zero_std_share": div(s["zero_std_groups"], s["n_groups"])})
+        for k in ("reward_sum", "correct", "length_sum", "form0", "form1", "split_groups",
+                  "zero_std_groups"):
+            out.pop(k)
     n = s.get("n_tokens", 0)
     for kind in ("prefix", "trie"):
         if f"n_shared_{kind}" in s:
@@ -148,7 +159,7 @@ def _ratios(s: dict) -> dict:
 
 
 @torch.no_grad()
-def probe_set(model, tok, task, cfg, store) -> dict:
+def probe_set(model, tok, task, cfg) -> dict:
     """Fixed probe contexts drawn once from the initial policy (same for every objective).
 
     contexts: the full-group shared nodes of a rollout of `probe_contexts` prompts; their

@@ -171,6 +171,7 @@ def generate(
                 generator,
                 eos_id,
                 pad_id,
+                row_keys,
             )
     finally:
         model.train(was_training)
@@ -200,7 +201,8 @@ def generate(
 
 
 def _sample_loop(
-    model, prompt_ids, prompt_mask, max_new_tokens, temperature, generator, eos_id, pad_id
+    model, prompt_ids, prompt_mask, max_new_tokens, temperature, generator, eos_id, pad_id,
+    row_keys=None,
 ):
     """KV-cached sampling; returns lists (one entry per step) of tokens (N,) and log-probs (N,).
 
@@ -212,12 +214,12 @@ def _sample_loop(
     ids, cache = prompt_ids, None
     toks, logps = [], []
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
+    for t in range(max_new_tokens):
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
         )
         cache = out.cache
-        tok, lp = _sample(out.logits[:, -1], temperature, generator)
+        tok, lp = _sample(out.logits[:, -1], temperature, generator, row_keys, t)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         toks.append(tok)
         logps.append(torch.where(done, torch.zeros_like(lp), lp))

@@ -31,8 +31,13 @@ TIDY_COLUMNS = ID_COLUMNS + ("metric", "value")
 class RunStore:
     """Append-only writer for one run folder."""
 
-    def __init__(self, path: str | Path, config: dict | None = None, resume: bool = False) -> None:
+    def __init__(self, path: str | Path, config: dict | None = None, resume: bool = False,
+                 write: bool = True) -> None:
+        """write=False (data-parallel ranks other than 0): reads work, writes are no-ops."""
         self.path = Path(path)
+        self.write = write
+        if not write:
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         if config is not None and not (resume and (self.path / "config.json").exists()):
             _atomic_write(self.path / "config.json", json.dumps(config, indent=2, sort_keys=True))
@@ -42,6 +47,8 @@ class RunStore:
 
     def log(self, record: dict, file: str = "metrics.jsonl") -> None:
         """Append one record and make it durable before returning."""
+        if not self.write:
+            return
         line = json.dumps(_jsonable(record), sort_keys=True)
         with open(self.path / file, "a") as f:
             f.write(line + "\n")
@@ -50,6 +57,8 @@ class RunStore:
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps > step (written after the last checkpoint)."""
+        if not self.write:
+            return
         for file in ("metrics.jsonl", "samples.jsonl"):
             p = self.path / file
             if not p.exists():
@@ -60,6 +69,8 @@ class RunStore:
     # --- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, name: str, model, optimizer, state: dict, tensors: dict) -> None:
         """Model and optimizer in safetensors, plus JSON state and extra tensors (RNG states)."""
+        if not self.write:
+            return
         d = self.path / "checkpoints" / name
         tmp = d.with_name(d.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)

@@ -112,3 +112,97 @@ def assert_does_not_cancel(loss_fn: Callable[[TokenBatch], Tensor], seeds=range(
     reps = _reports(loss_fn, seeds, nodes, **batch_kw)
     if max(r.ratio for _, r in reps) <= min_ratio:
         raise AssertionError(f"expected a residual, but ρ ≤ {min_ratio:g} on every seed")
+
+
+# --------------------------------------------------------------------------- regimes
+# Added for `gradlab check` and for users' CI. Each regime turns on one way a loss can break
+# cancellation on `random_batch` groups (unequal lengths are the default there):
+#   on     on-policy (every ratio 1), unequal lengths      → catches 1/|o_i| normalisation
+#   near   off_policy=0.3: ratios in ~[0.86, 1.16]         → catches sequence coupling (GSPO)
+#   far    off_policy=1.0: ratios in ~[0.6, 1.65], so a     → catches asymmetric clipping
+#          PPO clip at eps = 0.2 fires at shared tokens
+#   on-eq  on-policy, equal lengths: the regime where GSPO = GRPO and even 1/|o_i| cancels
+REGIMES: dict[str, dict] = {
+    "on": {"off_policy": 0.0},
+    "near": {"off_policy": 0.3},
+    "far": {"off_policy": 1.0},
+    "on-eq": {"off_policy": 0.0, "equal_lengths": True},
+}
+
+
+def regime_report(loss_fn: Callable[[TokenBatch], Tensor], regimes=tuple(REGIMES),
+                  seeds=range(3), nodes: str = "prefix", **batch_kw) -> list[dict]:
+    """ρ of `loss_fn` (W measured by autograd) on random batches of each regime and seed.
+
+    Returns one dict per (regime, seed): regime, seed, ratio (ρ ∈ [0, 1]), residual (Σ|d|),
+    n_nodes. `batch_kw` go to `random_batch` (they override the regime's settings).
+    """
+    rows = []
+    for regime in regimes:
+        if regime not in REGIMES:
+            raise ValueError(f"regime_report: unknown regime {regime!r}; valid: {list(REGIMES)}")
+        for s, rep in _reports(loss_fn, seeds, nodes, **{**REGIMES[regime], **batch_kw}):
+            rows.append({"regime": regime, "seed": s, "ratio": rep.ratio,
+                         "residual": rep.residual, "n_nodes": rep.n_nodes})
+    return rows
+
+
+def assert_cancels_in_regimes(loss_fn: Callable[[TokenBatch], Tensor], regimes=tuple(REGIMES),
+                              seeds=range(3), tol: float = 1e-9, nodes: str = "prefix",
+                              **batch_kw) -> None:
+    """`assert_cancels` in every regime of `REGIMES` (on, near, far off-policy, equal lengths).
+
+    Stricter than `assert_cancels` alone: the "far" regime makes a PPO clip fire at shared
+    tokens, so asymmetric clipping is caught; "on" catches per-sequence 1/|o_i| normalisation.
+    The message names the failing regime and seed.
+    """
+    bad = [r for r in regime_report(loss_fn, regimes, seeds, nodes, **batch_kw) if r["ratio"] > tol]
+    if bad:
+        lines = [f"  regime {r['regime']!r} ({REGIMES[r['regime']]}), seed {r['seed']}: "
+                 f"ρ = {r['ratio']:.3g}, residual {r['residual']:.3g}" for r in bad]
+        raise AssertionError("shared-token gradient does not cancel:\n" + "\n".join(lines))
+
+
+# --------------------------------------------------------------------------- real models
+def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
+                     loss_fn: Callable[[TokenBatch], Tensor],
+                     temperature: float = 1.0) -> tuple[Tensor, TokenBatch]:
+    """W measured by a `ModulationProbe` hook on a real forward/backward of `model`.
+
+    rollout: a `gradlab.rollout.Rollout` (its old_logps are the behaviour log-probs);
+    rows (R,) long: the rows of the step; adv (N,) advantages of all rollout rows.
+    Runs token_logps → loss_fn(batch) → backward, so parameter .grad is touched (zeroed after).
+    Returns (W (R, T) float32, the TokenBatch with detached logps).
+    """
+    from .probes import ModulationProbe
+    from .rollout import token_logps
+
+    ro = rollout
+    logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+                        ro.response_mask[rows], temperature)
+    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
+                       adv[rows], ro.group[rows])
+    with ModulationProbe() as probe:
+        loss_fn(batch.replace(logps=probe.watch(logps))).backward()
+    model.zero_grad(set_to_none=True)
+    return probe.W, batch.replace(logps=logps.detach())
+
+
+def optimizer_step_on(model, rollout, rows: Tensor, adv: Tensor,
+                      loss_fn: Callable[[TokenBatch], Tensor], lr: float = 2e-4,
+                      temperature: float = 1.0) -> None:
+    """One AdamW step (lr, as the loop's default) of `model` on `rows`: makes later minibatches
+    of the same rollout off-policy, exactly as the training loop's 2nd+ minibatches are."""
+    from .rollout import token_logps
+
+    ro = rollout
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+                        ro.response_mask[rows], temperature)
+    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
+                       adv[rows], ro.group[rows])
+    loss_fn(batch).backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    model.eval()

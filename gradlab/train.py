@@ -22,10 +22,12 @@ from tqdm.auto import tqdm
 
 from . import objectives
 from .batch import TokenBatch, advantages
-from .config import RunConfig
+from .config import ConfigError, RunConfig
+from .dist import Dist, setup, unwrap
 from .metrics import StepMetrics, probe_set, probe_metrics
 from .policy import load_policy
 from .probes import ModulationProbe, learning_tax, layer_groups, node_drift
+from .probes.tax import reduce_tax
 from .rollout import Rollout, generate, token_logps
 from .store import RunStore
 from .task import get_task
@@ -60,29 +62,39 @@ def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
     return out
 
 
-def minibatches(group: torch.Tensor, k: int, gen: torch.Generator, split: bool) -> list[torch.Tensor]:
+def minibatches(group: torch.Tensor, k: int, gen: torch.Generator, split: bool,
+                n_groups: int | None = None) -> list[torch.Tensor]:
     """Row indices of k optimizer steps. Whole groups per step unless `split` (then rows are
-    shuffled and cut like TRL's generation batch, so a group is spread over steps)."""
+    shuffled and cut like TRL's generation batch, so a group is spread over steps).
+
+    group (N,) holds global group labels 0..n_groups−1; the permutation is over all n_groups
+    labels, so every data-parallel rank (same generator state) agrees on which groups make up
+    each global step and takes its own rows of them.
+    """
     dev = group.device
     if split:
         perm = torch.randperm(group.numel(), generator=gen, device=dev)
         return list(perm.chunk(k))
-    labels = torch.unique(group)
-    order = labels[torch.randperm(labels.numel(), generator=gen, device=dev)]
+    n = int(group.max()) + 1 if n_groups is None else n_groups
+    order = torch.randperm(n, generator=gen, device=dev)
     return [torch.isin(group, part).nonzero().squeeze(-1) for part in order.chunk(k)]
 
 
 def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
                    rows: torch.Tensor, acc: StepMetrics, heavy: bool,
-                   others: list[objectives.Objective]) -> None:
+                   others: list[objectives.Objective], D: Dist) -> None:
     """One optimizer step of learner L on rows of the rollout, with the probes."""
     t0 = time.perf_counter()
     with amp_context(cfg):
         logps, ent, logprobs = token_logps(
             L.model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
             ro.response_mask[rows], cfg.temperature, return_entropy=True, return_logprobs=True)
+    # normalisers use the global minibatch's totals (identical to the local ones in one process)
+    tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())]))
+    width = int(D.max(torch.tensor(ro.response_ids.shape[1])))
     batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows], validate=False)
+                       adv[rows], ro.group[rows], n_seqs=int(tot[0]), n_tokens=int(tot[1]),
+                       width=width, validate=False)
     with ModulationProbe() as probe:
         watched = probe.watch(logps)
         loss, stats = L.objective(batch.replace(logps=watched))
@@ -91,9 +103,12 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     t1 = time.perf_counter()
     W = probe.W
     acc.add_step(L.objective, batch, W, ent.detach(), loss.detach(), stats, heavy, others)
+    D.fix_grads(L.model)
     if heavy:
-        params = dict(L.model.named_parameters())
-        acc.add_tax(learning_tax(logps, W, batch, params, "prefix", layer_groups(L.model)))
+        raw = unwrap(L.model)
+        tax = learning_tax(logps, W, batch, dict(raw.named_parameters()), "prefix",
+                           layer_groups(raw), sn=acc.last_prefix_nodes)
+        acc.add_tax(reduce_tax(tax, raw, D) if D.enabled else tax)
     acc.time("probes", t1)
     t2 = time.perf_counter()
     acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
@@ -103,35 +118,50 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     if cfg.drift:
         t3 = time.perf_counter()
         with torch.no_grad(), amp_context(cfg):
-            _, after = token_logps(L.model, ro.prompt_ids[rows], ro.prompt_mask[rows],
+            _, after = token_logps(unwrap(L.model), ro.prompt_ids[rows], ro.prompt_mask[rows],
                                       ro.response_ids[rows], ro.response_mask[rows],
                                       cfg.temperature, return_logprobs=True)
         acc.add_drift(node_drift(logprobs.detach(), after, batch, acc.last_prefix_nodes))
         acc.time("probes", t3)
 
 
-def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
-                 others) -> tuple[dict, Rollout]:
-    """Sample one rollout batch and make `minibatches` optimizer steps; returns (metrics, rollout)."""
-    acc = StepMetrics()
-    t0 = time.perf_counter()
+def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout:
+    """This rank's share of rollout batch `step`: its prompts, G responses each.
+
+    Prompts are a function of (seed, step); sampling noise is hashed from (seed, step, global
+    row), so one process and N ranks draw exactly the same global batch.
+    """
     problems = task.problems(cfg.prompts, seed=cfg.seed * 1_000_003 + step)
-    max_new = cfg.max_new_tokens or task.max_new_tokens
+    mine = D.local_prompts(cfg.prompts)
+    g = torch.tensor(mine, device=cfg.device).repeat_interleave(cfg.G)  # global group labels
+    rows = g * cfg.G + torch.arange(cfg.G, device=cfg.device).repeat(len(mine))
+    keys = (cfg.seed * 1_000_003 + step) * 1_000_003 + rows
     with amp_context(cfg):
-        ro = generate(L.model, tok, problems, cfg.G, max_new, cfg.temperature, L.gen,
-                      amp=cfg.amp, task=task)
+        ro = generate(unwrap(L.model), tok, [problems[i] for i in mine], cfg.G,
+                      cfg.max_new_tokens or task.max_new_tokens, cfg.temperature,
+                      amp=cfg.amp, task=task, row_keys=keys)
     L.model.train()
+    ro.group = g
+    return ro
+
+
+def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
+                 others, D: Dist) -> tuple[dict, Rollout]:
+    """Sample one rollout batch and make `minibatches` optimizer steps; returns (metrics, rollout)."""
+    acc = StepMetrics(D)
+    t0 = time.perf_counter()
+    ro = sample(L, cfg, task, tok, step, D)
     acc.time("rollout", t0)
     adv = advantages(ro.rewards, ro.group, scale=cfg.adv_scale)
-    L.tokens += int(ro.response_mask.sum())
+    L.tokens += int(D.sum(ro.response_mask.sum()))
     heavy = cfg.tax_every > 0 and step % cfg.tax_every == 0
-    parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups)
+    parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups, cfg.prompts)
     for rows in parts:
-        optimizer_step(L, cfg, ro, adv, rows, acc, heavy, others)
+        optimizer_step(L, cfg, ro, adv, rows, acc, heavy, others, D)
+    acc.add_rollout(task, ro, parts)
     rec = acc.finish()
-    rec.update(acc.rollout_metrics(task, ro, parts))
     t1 = time.perf_counter()
-    rec.update(probe_metrics(L.model, probes, cfg))
+    rec.update(probe_metrics(unwrap(L.model), probes, cfg))
     acc.time("probes", t1)
     rec.update(acc.times)
     rec.update({"step": step, "objective": L.name, "seed": cfg.seed, "tokens": L.tokens})
@@ -139,9 +169,17 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
 
 
 def train(cfg: RunConfig, resume: bool = False) -> RunStore:
-    """Run the tandem (or same-batch) loop; returns the run store."""
+    """Run the tandem (or same-batch) loop; returns the run store.
+
+    Under torchrun (WORLD_SIZE > 1) every rank runs this function on its shard of the prompts
+    (gradlab.dist); rank 0 alone writes the store and checkpoints.
+    """
+    D = setup(cfg.device)
+    if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"):
+        raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups "
+                          "and adv_scale='batch' need one process")
     torch.manual_seed(cfg.seed)
-    store = RunStore(cfg.out, cfg.to_json(), resume=resume)
+    store = RunStore(cfg.out, cfg.to_json(), resume=resume, write=D.main)
     builtin = cfg.task == "arithmetic"
     task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
@@ -150,15 +188,17 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     others = [] if cfg.mode == "tandem" else [
         objectives.get(n, **cfg.objective_params.get(n, {})) for n in cfg.objectives[1:]]
     learners = make_learners(cfg, model, trained)
-    probes = probe_set(model.to(cfg.device), tok, task, cfg, store)
-    start = _resume(store, learners) if resume else 0
-    bar = tqdm(range(start, cfg.steps), desc="train", disable=not cfg.progress,
+    probes = probe_set(model.to(cfg.device), tok, task, cfg)
+    start = _resume(store, learners, D) if resume else 0
+    for L in learners:
+        L.model = D.wrap(L.model)
+    bar = tqdm(range(start, cfg.steps), desc="train", disable=not (cfg.progress and D.main),
                initial=start, total=cfg.steps)
     for step in bar:
         post = {}
         for L in learners:
             t0 = time.perf_counter()
-            rec, ro = rollout_step(L, cfg, task, tok, step, probes, others)
+            rec, ro = rollout_step(L, cfg, task, tok, step, probes, others, D)
             rec["time_step"] = time.perf_counter() - t0
             store.log(rec)
             store.log({"step": step, "objective": L.name, "prompt": ro.problems[0].prompt,
@@ -168,12 +208,15 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
         bar.set_postfix_str(" | ".join(f"{k}: {v}" for k, v in post.items()))
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
             for L in learners:
-                store.save_checkpoint(L.name, L.model, L.opt, {"step": step + 1, "tokens": L.tokens},
+                store.save_checkpoint(L.name, unwrap(L.model), L.opt,
+                                      {"step": step + 1, "tokens": L.tokens},
                                       {"gen": L.gen.get_state()})
+            D.barrier()
+    D.close()
     return store
 
 
-def _resume(store: RunStore, learners: list[Learner]) -> int:
+def _resume(store: RunStore, learners: list[Learner], D: Dist) -> int:
     """Restore every learner from its checkpoint; drop metrics written after it."""
     steps = []
     for L in learners:
@@ -183,5 +226,6 @@ def _resume(store: RunStore, learners: list[Learner]) -> int:
         steps.append(state["step"])
     if len(set(steps)) != 1:
         raise RuntimeError(f"checkpoints of {store.path} are at different steps: {steps}")
+    D.barrier()  # every rank has read the files before rank 0 rewrites the metrics
     store.truncate_after(steps[0] - 1)
     return steps[0]

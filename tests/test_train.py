@@ -46,7 +46,7 @@ def test_every_objective_end_to_end(tmp_path):
     assert (wide["w_dev"] < 1e-5).all()  # hook-measured W = closed form on every step
     by = wide.groupby("objective")["rho_prefix"].mean()
     assert by["dfpo-min"] < 1e-6 and by["dfpo-orth"] < 1e-6 and by["grpo-fix"] < 1e-6
-    assert by["gspo"] > 1e-3
+    assert by["gspo"] > 1e-5  # off-policy minibatches: sequence coupling and clipping
     assert (tmp_path / "all" / "checkpoints" / "gspo" / "model.safetensors").exists()
 
 

@@ -116,3 +116,20 @@ def learning_tax(
     out["groups"] = {g: _norms(tax, g_total, ns) for g, ns in by_group.items()}
     out["g_tax"] = tax
     return out
+
+
+def reduce_tax(res: dict, model: torch.nn.Module, D) -> dict:
+    """Data parallelism: sum each rank's g_tax over ranks (`D.sum`), then recompute the norms
+    against the (already reduced) parameter gradients."""
+    tax = {n: D.sum(g) for n, g in res["g_tax"].items()}
+    params = dict(model.named_parameters())
+    total = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()}
+    names = list(tax)
+    groups = layer_groups(model)
+    by_group: dict[str, list[str]] = {}
+    for n in names:
+        by_group.setdefault(groups.get(n, "other"), []).append(n)
+    out = _norms(tax, total, names)
+    out["groups"] = {g: _norms(tax, total, ns) for g, ns in by_group.items()}
+    out["g_tax"] = tax
+    return out

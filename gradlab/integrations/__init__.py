@@ -1,0 +1,7 @@
+"""gradlab inside other trainers (optional extras; nothing here is imported by `import gradlab`).
+
+- `gradlab.integrations.trl`: `GradlabGRPOTrainer` (or `GradlabMixin` for your own
+  `GRPOTrainer` subclass) measures W and the cancellation residual of TRL's own loss on a real
+  run, and applies DFPO as a drop-in gradient transform. Needs `pip install gradlab[trl]`.
+- `gradlab.integrations.trl_audit`: `gradlab audit trl`, the table of TRL's loss settings.
+"""

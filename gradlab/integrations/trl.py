@@ -1,0 +1,453 @@
+"""gradlab on TRL's `GRPOTrainer`: W and the cancellation residual of TRL's *own* loss, and DFPO.
+
+    from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
+    trainer = GradlabGRPOTrainer(model=..., reward_funcs=..., args=grpo_args, train_dataset=...,
+                                 gradlab=GradlabConfig(dfpo=None))      # dfpo="orth": DFPO on
+    trainer.train()   # `gradlab/*` keys in TRL's logs + a run store that gradlab.load_run reads
+
+Your own `GRPOTrainer` subclass: `class T(GradlabMixin, MyGRPOTrainer): pass`.
+
+How, without copying TRL's loss (MATH.md §2): `_compute_loss` is wrapped to arm a flag, and the
+first grad-carrying result of `_get_per_token_logps_and_entropies` inside it (the (B, T) policy
+log-probs; old/ref log-probs are computed under no_grad) gets a backward hook: the gradient it
+receives is −W, whatever `loss_type`, `importance_sampling_level`, clipping or normaliser.
+
+Groups: TRL's inputs carry no group id. The generation batch leaves
+`_generate_and_score_completions` in `RepeatSampler` order (a prompt's G copies consecutive),
+so groups are reconstructed there from the prompt ids (runs of equal prompts, cut every
+`num_generations` rows, so a prompt that occurs twice gives two groups) and two (B,) tensors
+(row index, group label) are added to the batch; TRL's shuffle and split carry them along.
+W is gathered over the `steps_per_generation` micro-batches of one pass over the generation
+batch (a *window*; `num_iterations` > 1 makes several windows per generation batch) and, under
+data parallelism, over processes; the window's figures are logged once.
+
+DFPO drop-in: `DFPOGradientTransform` on the same log-probs (w = W/A, so any loss of the form
+W = A·w: every TRL loss_type with beta = 0). It needs each group whole inside one loss call: with
+dfpo set, TRL's row shuffle is replaced by a group shuffle (groups in random order, rows of a
+group contiguous), so each micro-batch holds whole groups when per_device_train_batch_size is a
+multiple of num_generations; anything else (e.g. a group cut across processes) raises.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from unittest import mock
+
+import torch
+from torch import Tensor
+from trl import GRPOTrainer
+from trl.trainer import grpo_trainer as _grpo_module
+
+from ..batch import TokenBatch, group_index
+from ..cancellation import cancellation
+from ..dfpo import SCOPES, TRANSFORMS
+from ..nodes import NODE_KINDS, SharedNodes, shared_nodes
+from ..probes import DFPOGradientTransform, ModulationProbe
+from ..store import RunStore
+
+ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
+
+
+@dataclass
+class GradlabConfig:
+    """What the instrumented trainer does.
+
+    store: run-store folder; "auto" = <output_dir>/gradlab; None = TRL's logs only.
+    dfpo: None, or a DFPO transform "min" | "orth" | "scale" applied to TRL's gradient, at
+        `dfpo_nodes` ("prefix" | "trie") with `dfpo_scope` ("shared" | "all").
+    every: measure every k-th generation batch (DFPO, when on, acts on every step).
+    trie: also report ρ at trie nodes. keep_windows: keep every `Window` in
+        `trainer.gradlab_windows` (the last one is always in `trainer.gradlab_window`).
+    objective: label in the run store (default "trl-<loss_type>-<level>[+dfpo-<t>]").
+    """
+
+    store: str | None = "auto"
+    dfpo: str | None = None
+    dfpo_nodes: str = "prefix"
+    dfpo_scope: str = "shared"
+    every: int = 1
+    trie: bool = True
+    keep_windows: bool = False
+    objective: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dfpo is not None and self.dfpo not in TRANSFORMS:
+            raise ValueError(f"GradlabConfig: unknown dfpo={self.dfpo!r}; valid: None, {TRANSFORMS}")
+        if self.dfpo_nodes not in NODE_KINDS:
+            raise ValueError(f"GradlabConfig: unknown dfpo_nodes={self.dfpo_nodes!r}; valid: {NODE_KINDS}")
+        if self.dfpo_scope not in SCOPES:
+            raise ValueError(f"GradlabConfig: unknown dfpo_scope={self.dfpo_scope!r}; valid: {SCOPES}")
+        if self.every < 1:
+            raise ValueError(f"GradlabConfig: every must be ≥ 1, got {self.every}")
+
+
+@dataclass
+class Window:
+    """One pass over a generation batch, rows in the generation batch's (unshuffled) order.
+
+    batch: TokenBatch (B, T) — completion tokens and mask, logps = each row's log-probs in its
+        loss call (detached), old_logps = TRL's old log-probs (= logps when TRL had none, i.e.
+        on-policy), advantages (B,), group (B,) reconstructed.
+    W (B, T): measured modulation, the one the backward used (W̃ under DFPO).
+    W_base (B, T) or None: the base loss's W before the DFPO transform.
+    micro, opt (B,) long: the micro-batch (loss call) and optimizer step of each row.
+    """
+
+    batch: TokenBatch
+    W: Tensor
+    W_base: Tensor | None
+    micro: Tensor
+    opt: Tensor
+    index: int
+    iteration: int
+    metrics: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def reconstruct_groups(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int) -> Tensor:
+    """(B,) long group labels 0..n−1 of a generation batch in RepeatSampler order.
+
+    prompt_ids, prompt_mask (B, P), left-padded. A group is a run of equal prompts, cut every
+    `num_generations` rows (a prompt drawn twice in one batch gives two groups).
+    """
+    ids = torch.where(prompt_mask.bool(), prompt_ids, -1)
+    B = ids.shape[0]
+    new_run = torch.ones(B, dtype=torch.bool, device=ids.device)
+    new_run[1:] = (ids[1:] != ids[:-1]).any(-1)
+    run = torch.cumsum(new_run.long(), 0) - 1
+    starts = new_run.nonzero().squeeze(-1)  # (n_runs,) first row of each run
+    pos = torch.arange(B, device=ids.device) - starts[run]
+    return torch.cumsum((new_run | (pos % num_generations == 0)).long(), 0) - 1
+
+
+def grouped_shuffle(seq_dict: dict) -> dict:
+    """TRL's `shuffle_sequence_dict` at group granularity: groups (by `GROUP_KEY`) in random
+    order (global torch RNG, as TRL), the rows of a group contiguous and in their order."""
+    gid, _ = group_index(seq_dict[GROUP_KEY])
+    n = int(gid.max()) + 1
+    rank = torch.empty(n, dtype=torch.long)
+    rank[torch.randperm(n)] = torch.arange(n)
+    perm = torch.argsort(rank[gid.cpu()], stable=True)
+
+    def permute(v):
+        if v is None or (isinstance(v, Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, Tensor):
+            return v[perm.to(v.device)]
+        return [v[i] for i in perm.tolist()]
+
+    return {k: permute(v) for k, v in seq_dict.items()}
+
+
+def split_share(group: Tensor, step: Tensor) -> float:
+    """Share of groups (group, step: (B,) long) whose rows fall into more than one step."""
+    gid, sizes = group_index(group)
+    big = torch.iinfo(torch.long).max
+    lo = torch.full_like(sizes, big).scatter_reduce(0, gid, step, reduce="amin")
+    hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, step, reduce="amax")
+    return float((hi != lo).float().mean()) if sizes.numel() else 0.0
+
+
+def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, float]:
+    """(Σ|c_{n,k}|, ratio) at full-group nodes with the net coefficient taken per step k.
+
+    W (B, T), step (B,) long. c_{n,k} = Σ of W over the members of node n that sit in step k:
+    what one optimizer step can cancel. Equals the plain residual when no group is split.
+    """
+    sh = sn.node >= 0
+    if not bool(sh.any()):
+        return 0.0, 0.0
+    k = step - step.min()
+    n_k = int(k.max()) + 1
+    key = sn.node[sh] * n_k + k.unsqueeze(-1).expand_as(sn.node)[sh]
+    Wd = W.detach().double()
+    c = torch.zeros(sn.n * n_k, dtype=Wd.dtype).index_add_(0, key, Wd[sh])
+    res, mass = float(c.abs().sum()), float(Wd[sh].abs().sum())
+    return res, (res / mass if mass > 0 else 0.0)
+
+
+def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
+    """Mean Δl = l_used − l_old (nats) at full-group node tokens and at divergent tokens by the
+    sign of A: how far the earlier optimizer steps of the window moved the policy since
+    sampling, free from TRL's own log-probs (KL would need full distributions: not kept)."""
+    dl = (batch.logps - batch.old_logps).double()
+    A = batch.advantages.unsqueeze(-1)
+    div = batch.mask & (sn.node < 0)
+    out = {}
+    for name, keep in (("node", sn.node >= 0), ("div_pos", div & (A > 0)), ("div_neg", div & (A < 0))):
+        n = int(keep.sum())
+        out[f"drift_{name}_dlogp"] = float(dl[keep].sum()) / n if n else 0.0
+    return out
+
+
+def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
+                   W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
+    """The per-window figures (see the README's key list). Shapes as in `Window`."""
+    sn_all = shared_nodes(batch, "trie" if trie else "prefix")
+    sn = sn_all.full_group()
+    c = cancellation(W, batch, sn=sn)
+    res_step, rho_step = stepwise_residual(W, sn, opt)
+    out = {"rho_prefix": c.ratio, "rho_prefix_step": rho_step, "residual_prefix": c.residual,
+           "residual_prefix_step": res_step, "mass_prefix": c.mass,
+           "shared_fraction": c.shared_fraction, "nodes_prefix": float(c.n_nodes),
+           "split_groups": split_share(batch.group, opt),
+           "split_groups_micro": split_share(batch.group, micro),
+           "groups": float(torch.unique(batch.group).numel())}
+    if trie:
+        out["rho_trie"] = cancellation(W, batch, sn=sn_all).ratio
+    if W_base is not None:
+        out["rho_prefix_base"] = cancellation(W_base, batch, sn=sn).ratio
+        out["rho_prefix_step_base"] = stepwise_residual(W_base, sn, opt)[1]
+    if not torch.equal(batch.logps, batch.old_logps):  # off-policy rows exist
+        out.update(drift_figures(batch, sn))
+    return out
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class GradlabMixin:
+    """Mix into any `GRPOTrainer` (sub)class: `class T(GradlabMixin, GRPOTrainer)`.
+
+    Extra keyword `gradlab: GradlabConfig`. After training: `gradlab_window` (last `Window`),
+    `gradlab_windows` (all, with keep_windows), `gradlab_store` (RunStore or None).
+    """
+
+    def __init__(self, *args, gradlab: GradlabConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gradlab = gradlab if gradlab is not None else GradlabConfig()
+        self._gl_check()
+        self._gl_gen: dict | None = None  # local unshuffled generation batch
+        self._gl_parts: list[dict] = []  # one per loss call of the current window
+        self._gl_armed, self._gl_inputs = False, None
+        self._gl_tokens = 0
+        self.gradlab_window: Window | None = None
+        self.gradlab_windows: list[Window] = []
+        self.gradlab_store = self._gl_make_store()
+
+    # --- setup -------------------------------------------------------------------------
+    def _gl_check(self) -> None:
+        a = self.args
+        if getattr(a, "use_liger_kernel", False):
+            raise ValueError("gradlab: use_liger_kernel=True computes TRL's loss fused, without "
+                             "per-token log-probs, so no hook can see W; set it to False")
+        if self.gradlab.dfpo is None:
+            return
+        if self.beta != 0.0:
+            raise ValueError(f"gradlab DFPO: beta={self.beta}; the drop-in derives w = W/A, "
+                             "which needs W = A·w (no KL term): set beta=0")
+        if a.per_device_train_batch_size % self.num_generations:
+            raise ValueError(
+                f"gradlab DFPO: per_device_train_batch_size={a.per_device_train_batch_size} is "
+                f"not a multiple of num_generations={self.num_generations}; DFPO needs every "
+                "group whole inside one micro-batch")
+        if not hasattr(_grpo_module, "shuffle_sequence_dict"):
+            raise RuntimeError("gradlab DFPO: this TRL has no grpo_trainer.shuffle_sequence_dict "
+                               "to replace with a group shuffle; please report the TRL version")
+
+    def _gl_label(self) -> str:
+        g = self.gradlab
+        if g.objective:
+            return g.objective
+        base = f"trl-{self.loss_type}-{self.importance_sampling_level}"
+        return base + (f"+dfpo-{g.dfpo}" if g.dfpo else "")
+
+    def _gl_make_store(self) -> RunStore | None:
+        path = self.gradlab.store
+        if path is None or not self.accelerator.is_main_process:
+            return None
+        path = os.path.join(self.args.output_dir, "gradlab") if path == "auto" else path
+        a = self.args
+        trl_cfg = {k: getattr(a, k, None) for k in (
+            "loss_type", "importance_sampling_level", "steps_per_generation", "num_iterations",
+            "gradient_accumulation_steps", "per_device_train_batch_size", "num_generations",
+            "epsilon", "epsilon_high", "beta", "learning_rate", "seed", "max_completion_length",
+            "scale_rewards", "temperature")}
+        return RunStore(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
+                               "objective": self._gl_label()})
+
+    # --- TRL overrides -----------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            cids = out["completion_ids"]
+            group = reconstruct_groups(out["prompt_ids"], out["prompt_mask"], self.num_generations)
+            out[ROW_KEY] = torch.arange(cids.shape[0], device=cids.device)
+            out[GROUP_KEY] = group
+            mask = _loss_mask(out)
+            self._gl_gen = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
+                            "tokens": cids, "mask": mask, "advantages": out["advantages"],
+                            "group": group}
+            self._gl_tokens += int(mask.sum())
+        return out
+
+    def _prepare_inputs(self, generation_batch):
+        if self.gradlab.dfpo is None:
+            return super()._prepare_inputs(generation_batch)
+        # Keep groups whole: TRL's row shuffle → a group shuffle, for this call only.
+        with mock.patch.object(_grpo_module, "shuffle_sequence_dict", grouped_shuffle):
+            return super()._prepare_inputs(generation_batch)
+
+    def _compute_loss(self, model, inputs):
+        if not self.model.training or ROW_KEY not in inputs:
+            return super()._compute_loss(model, inputs)
+        self._gl_armed, self._gl_inputs = True, inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._gl_armed, self._gl_inputs = False, None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if not self._gl_armed or not out[0].requires_grad:
+            return out
+        self._gl_armed = False  # the first grad-carrying call is the policy's log-probs
+        return (self._gl_watch(out[0], self._gl_inputs), *out[1:])
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        out = super().training_step(model, inputs, num_items_in_batch)
+        if self._gl_parts and "hooks" in self._gl_parts[-1]:
+            self._gl_harvest(self._gl_parts[-1])
+        if self._gl_parts and self._step % self.args.steps_per_generation == 0:
+            self._gl_close_window()
+        return out
+
+    # --- per loss call -----------------------------------------------------------------
+    def _gl_watch(self, logps: Tensor, inputs: dict) -> Tensor:
+        """Hook the (B, T) policy log-probs of one loss call; returns the tensor to use."""
+        spg, n_it = self.args.steps_per_generation, self.num_iterations
+        measure = (self._step // (spg * n_it)) % self.gradlab.every == 0
+        if not measure and self.gradlab.dfpo is None:
+            return logps
+        old = inputs.get("old_per_token_logps")
+        part = {"row": inputs[ROW_KEY], "micro": self._step, "logps": logps.detach(),
+                "old": None if old is None else old.detach(), "measure": measure}
+        if self.gradlab.dfpo is not None:
+            g = self.gradlab
+            t = DFPOGradientTransform(self._gl_micro_batch(logps, inputs), g.dfpo, g.dfpo_nodes,
+                                      g.dfpo_scope)
+            logps = t.watch(logps)
+            part["hooks"] = t
+        else:
+            p = ModulationProbe()
+            logps = p.watch(logps)
+            part["hooks"] = p
+        self._gl_parts.append(part)
+        return logps
+
+    def _gl_micro_batch(self, logps: Tensor, inputs: dict) -> TokenBatch:
+        """TokenBatch of one loss call for DFPO; raises when a group is not whole in it."""
+        group, adv = inputs[GROUP_KEY], inputs["advantages"]
+        if adv.dim() != 1:
+            raise ValueError("gradlab DFPO: needs per-sequence advantages (B,), got "
+                             f"{tuple(adv.shape)}")
+        full = torch.bincount(self._gl_gen["group"])
+        here = torch.bincount(group, minlength=full.numel())
+        cut = ((here > 0) & (here != full)).nonzero().squeeze(-1)
+        if cut.numel() or bool((full[group] != self.num_generations).any()):
+            g = int(cut[0]) if cut.numel() else int(group[0])
+            raise ValueError(
+                f"gradlab DFPO: group {g} has {int(here[g])} of its rows in this micro-batch "
+                f"(group size {int(full[g])}, num_generations={self.num_generations}); DFPO needs "
+                "each group whole in one loss call and on one process")
+        lp = logps.detach()
+        return TokenBatch(tokens=inputs["completion_ids"], mask=_loss_mask(inputs), logps=lp,
+                          old_logps=lp, advantages=adv.detach(), group=group, validate=False)
+
+    def _gl_harvest(self, part: dict) -> None:
+        """After the backward: keep W (and W_base under DFPO), drop the hooks."""
+        h = part.pop("hooks")
+        h.close()
+        if isinstance(h, DFPOGradientTransform):
+            part["W"], part["W_base"] = h.W_tilde, h.W
+        else:
+            part["W"] = h.W
+        if part["W"] is None:  # no backward reached the log-probs (e.g. an all-masked batch)
+            part["W"] = torch.zeros_like(part["logps"])
+
+    # --- per window --------------------------------------------------------------------
+    def _gl_close_window(self) -> None:
+        parts, self._gl_parts = self._gl_parts, []
+        gen = self._gl_gen
+        if gen is None or not all(p["measure"] for p in parts):
+            return
+        w = self._gl_assemble(parts, gen)
+        if w is None:
+            return
+        w.metrics = window_metrics(w.batch, w.W, w.opt, w.micro, w.W_base, self.gradlab.trie)
+        self.gradlab_window = w
+        if self.gradlab.keep_windows:
+            self.gradlab_windows.append(w)
+        for k, v in w.metrics.items():
+            self._metrics["train"][f"gradlab/{k}"].append(v)
+        if self.gradlab_store is not None:
+            self.gradlab_store.log({
+                "step": w.index, "objective": self._gl_label(), "seed": self.args.seed,
+                "tokens": self._gl_tokens, "iteration": w.iteration,
+                "global_step": self.state.global_step, **w.metrics})
+
+    def _gl_assemble(self, parts: list[dict], gen: dict) -> Window | None:
+        """Scatter the loss calls' rows back into generation-batch order (and gather ranks)."""
+        B, T = gen["tokens"].shape
+        cols = defaultdict(lambda: None)
+        for name in ("W", "W_base", "logps", "old"):
+            if all(p.get(name) is not None for p in parts):
+                cols[name] = gen["tokens"].new_zeros((B, T), dtype=parts[0]["W"].dtype)
+        micro = torch.full((B,), -1, dtype=torch.long, device=gen["tokens"].device)
+        for p in parts:
+            micro[p["row"]] = p["micro"]
+            for name, buf in cols.items():
+                if buf is not None:
+                    buf[p["row"]] = p[name].to(buf.dtype)
+        if bool((micro < 0).any()):  # e.g. resumed mid-window: not every row was seen
+            return None
+        old = cols["old"] if cols["old"] is not None else cols["logps"]
+        tensors = {"tokens": gen["tokens"], "mask": gen["mask"], "adv": gen["advantages"],
+                   "micro": micro, "W": cols["W"], "W_base": cols["W_base"],
+                   "logps": cols["logps"], "old": old, "group": gen["group"]}
+        if self.accelerator.num_processes > 1:
+            tensors = self._gl_gather(tensors, gen)
+        t = tensors
+        batch = TokenBatch(tokens=t["tokens"], mask=t["mask"].bool(), logps=t["logps"],
+                           old_logps=t["old"], advantages=t["adv"].to(t["W"].dtype),
+                           group=t["group"], validate=False)
+        spg = self.args.steps_per_generation
+        return Window(batch, t["W"], t["W_base"], t["micro"],
+                      t["micro"] // self.args.gradient_accumulation_steps,
+                      index=parts[0]["micro"] // spg,
+                      iteration=(parts[0]["micro"] // spg) % self.num_iterations)
+
+    def _gl_gather(self, t: dict, gen: dict) -> dict:
+        """Data parallelism: rows of all processes, rank-major (= the global sampler order),
+        groups reconstructed again on the gathered prompts (a group may straddle ranks).
+        Not exercised by the tests (single process here)."""
+        acc = self.accelerator
+        out = {}
+        for k, v in t.items():
+            if v is not None and k != "group":
+                v = v.long() if v.dtype == torch.bool else v
+                v = acc.pad_across_processes(v, dim=1) if v.dim() == 2 else v
+                out[k] = acc.gather(v)
+            else:
+                out[k] = v
+        pids = acc.gather(acc.pad_across_processes(gen["prompt_ids"], dim=1, pad_first=True))
+        pmask = acc.gather(acc.pad_across_processes(gen["prompt_mask"], dim=1, pad_first=True))
+        out["group"] = reconstruct_groups(pids, pmask, self.num_generations)
+        out["mask"] = out["mask"].bool()
+        return out
+
+
+def _loss_mask(inputs: dict) -> Tensor:
+    """(B, T) bool — the tokens TRL's loss counts (completion mask × tool mask)."""
+    m = inputs["completion_mask"]
+    if inputs.get("tool_mask") is not None:
+        m = m * inputs["tool_mask"]
+    return m.bool()
+
+
+class GradlabGRPOTrainer(GradlabMixin, GRPOTrainer):
+    """TRL's `GRPOTrainer` with gradlab's probes (and DFPO when `GradlabConfig.dfpo` is set)."""
