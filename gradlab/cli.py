@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

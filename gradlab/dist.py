@@ -44,6 +44,14 @@ class Dist:
             dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return x
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

@@ -86,19 +86,36 @@ class StepMetrics:
                 self.sums[f"drift_{k}"].append(v)
 
     def finish(self) -> dict:
-        """One host sync: reduce everything to floats (across data-parallel ranks too: sums
-        and counts are summed, maxima maxed, per-step means averaged over ranks — except the
-        loss, whose rank parts add up to the global loss)."""
-        def stack(v):
+        """One host sync: reduce everything to floats, then combine data-parallel ranks:
+        sums and counts add, maxima max, per-step scalars pool over all ranks' optimizer steps
+        (the loss adds: each rank's part of a global minibatch loss is a share of it)."""
+        def f64(v):
             return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
 
-        names = list(self.sums) + list(self.means) + list(self.maxes)
-        sums = torch.stack([stack(v).sum() for v in self.sums.values()] +
-                           [stack(v).mean() * (1 if k == "loss" else 1 / self.D.world)
-                            for k, v in self.means.items()])
-        maxes = torch.stack([stack(v).max() for v in self.maxes.values()]) if self.maxes else None
-        vals = self.D.sum(sums).tolist() + (self.D.max(maxes).tolist() if maxes is not None else [])
-        return _ratios(dict(zip(names, vals)))
+        sums = {k: f64(v).sum() for k, v in self.sums.items()}
+        means = {k: torch.stack([f64(v).sum(), torch.tensor(float(len(v)))])
+                 for k, v in self.means.items()}
+        maxes = {k: f64(v).max() for k, v in self.maxes.items()}
+        flat = torch.stack(list(sums.values()) + [x for v in means.values() for x in v] +
+                           list(maxes.values())).tolist() if (sums or means or maxes) else []
+        it = iter(flat)
+        local = ({k: next(it) for k in sums}, {k: (next(it), next(it)) for k in means},
+                 {k: next(it) for k in maxes})
+        out: dict = {}
+        parts = self.D.gather(local)
+        for s_, _, _ in parts:
+            for k, v in s_.items():
+                out[k] = out.get(k, 0.0) + v
+        pooled: dict = {}
+        for _, m_, _ in parts:
+            for k, (tot, n) in m_.items():
+                a, b = pooled.get(k, (0.0, 0.0))
+                pooled[k] = (a + (tot / n if k == "loss" else tot), b + (1 if k == "loss" else n))
+        out.update({k: (a if k == "loss" else a / b) for k, (a, b) in pooled.items()})
+        for _, _, x_ in parts:
+            for k, v in x_.items():
+                out[k] = max(out.get(k, -float("inf")), v)
+        return _ratios(out)
 
     def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
         """Reward, accuracy, length, solution forms and split groups of the rollout, as sums

@@ -38,6 +38,9 @@ class RunStore:
         self.write = write
         if not write:
             return
+        if not resume and (self.path / "metrics.jsonl").exists():
+            raise FileExistsError(f"--out {self.path} already holds a run: pass --resume to "
+                                  "continue it, or choose another --out")
         self.path.mkdir(parents=True, exist_ok=True)
         if config is not None and not (resume and (self.path / "config.json").exists()):
             _atomic_write(self.path / "config.json", json.dumps(config, indent=2, sort_keys=True))

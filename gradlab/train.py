@@ -84,14 +84,16 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
                    rows: torch.Tensor, acc: StepMetrics, heavy: bool,
                    others: list[objectives.Objective], D: Dist) -> None:
     """One optimizer step of learner L on rows of the rollout, with the probes."""
+    # normalisers use the global minibatch's totals (identical to the local ones in one process)
+    tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())]))
+    width = int(D.max(torch.tensor(ro.response_ids.shape[1])))
+    if rows.numel() == 0:  # none of this step's groups are on this rank
+        return _idle_step(L, cfg, ro, acc, heavy, D)
     t0 = time.perf_counter()
     with amp_context(cfg):
         logps, ent, logprobs = token_logps(
             L.model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
             ro.response_mask[rows], cfg.temperature, return_entropy=True, return_logprobs=True)
-    # normalisers use the global minibatch's totals (identical to the local ones in one process)
-    tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())]))
-    width = int(D.max(torch.tensor(ro.response_ids.shape[1])))
     batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
                        adv[rows], ro.group[rows], n_seqs=int(tot[0]), n_tokens=int(tot[1]),
                        width=width, validate=False)
@@ -123,6 +125,25 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
                                       cfg.temperature, return_logprobs=True)
         acc.add_drift(node_drift(logprobs.detach(), after, batch, acc.last_prefix_nodes))
         acc.time("probes", t3)
+
+
+def _idle_step(L: Learner, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,
+               D: Dist) -> None:
+    """A rank with no rows in this global step still joins DDP's gradient all-reduce (and the
+    tax reduction) with a zero contribution, then takes the same optimizer step."""
+    one = torch.arange(1, device=ro.group.device)
+    logps = token_logps(L.model, ro.prompt_ids[one], ro.prompt_mask[one], ro.response_ids[one],
+                        ro.response_mask[one], cfg.temperature)
+    (0.0 * logps.sum()).backward()
+    D.fix_grads(L.model)
+    if heavy:
+        raw = unwrap(L.model)
+        zero = {n: torch.zeros_like(p) for n, p in raw.named_parameters()}
+        acc.add_tax(reduce_tax({"g_tax": zero}, raw, D))
+    acc.add_scalar("loss", 0.0)
+    acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
+    L.opt.step()
+    L.opt.zero_grad(set_to_none=True)
 
 
 def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout:

@@ -1,0 +1,135 @@
+"""Shared helpers of the analysis scripts (figure2, figure3, ablations) and the notebooks.
+
+Every training-based figure reads the run store's tidy table (`gradlab.load_run`): columns
+run, objective, seed, step, tokens, metric, value. Helpers here train seeds into run folders,
+put seeds on a common token axis, bootstrap over seeds and evaluate final checkpoints.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "figures"
+if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, not the root
+    sys.path.insert(0, str(ROOT))
+
+from gradlab.config import RunConfig  # noqa: E402
+from gradlab.store import load_run  # noqa: E402
+
+# Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
+QUICK = dict(steps=2, prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=1,
+             ckpt_every=100, progress=False)
+
+
+def set_threads(n: int = 1) -> None:
+    """The tiny policy runs fastest on one intra-op thread (2 contended threads: ~50× slower)."""
+    torch.set_num_threads(n)
+
+
+def run_seeds(root: str | Path, seeds, **cfg) -> Path:
+    """Train `RunConfig(out=root/seed{k}, seed=k, **cfg)` for each seed; returns root.
+
+    A seed whose folder already holds a finished run (final checkpoint at `steps`) is reused,
+    one with a checkpoint is resumed, anything else is wiped and trained from scratch (the run
+    store appends, so a half-written folder must not be trained into again).
+    """
+    from gradlab.train import train
+
+    root = Path(root)
+    for k in seeds:
+        c = RunConfig(out=str(root / f"seed{k}"), seed=k, **cfg)
+        state = _final_step(Path(c.out), c.objectives)
+        if state == c.steps:
+            continue
+        if state is None and Path(c.out).exists():
+            shutil.rmtree(c.out)
+        train(c, resume=state is not None)
+    return root
+
+
+def _final_step(run: Path, names: list[str]) -> int | None:
+    """Step of the checkpoints of every objective if they agree, else None."""
+    import json
+
+    steps = set()
+    for n in names:
+        f = run / "checkpoints" / n / "state.json"
+        if not f.exists():
+            return None
+        steps.add(json.loads(f.read_text())["step"])
+    return steps.pop() if len(steps) == 1 else None
+
+
+def load_seeds(root: str | Path) -> pd.DataFrame:
+    """The tidy table of every run folder under root (one per seed), `time_*` metrics dropped."""
+    tidy = load_run(root)
+    return tidy[~tidy["metric"].str.startswith("time_")].reset_index(drop=True)
+
+
+def align_tokens(tidy: pd.DataFrame, n: int = 40) -> pd.DataFrame:
+    """Put every (run, objective, seed) curve on one token grid per objective by linear
+    interpolation, so seeds can be averaged at equal compute (tokens differ with response
+    lengths). Grid: n points from the largest first-step count to the smallest final count
+    over the objective's runs. Same tidy columns; `tokens` becomes the grid value.
+    """
+    out = []
+    for obj, d in tidy.dropna(subset=["value"]).groupby("objective", sort=False):
+        ends = d.groupby(["run", "seed"])["tokens"].agg(["min", "max"])
+        lo, hi = float(ends["min"].max()), float(ends["max"].min())
+        grid = np.linspace(lo, hi, n) if hi > lo else np.array([hi])
+        for (run, seed, metric), c in d.groupby(["run", "seed", "metric"]):
+            c = c.sort_values("tokens")
+            v = np.interp(grid, c["tokens"].to_numpy(float), c["value"].to_numpy(float))
+            out.append(pd.DataFrame({"run": run, "objective": obj, "seed": seed, "step": np.nan,
+                                     "tokens": grid, "metric": metric, "value": v}))
+    return pd.concat(out, ignore_index=True) if out else tidy.iloc[:0]
+
+
+def bootstrap_ci(x, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
+    """(mean, lo, hi): percentile bootstrap of the mean over the values x (e.g. one per seed).
+    With one value the interval is that value; with 3 seeds it is crude (say so in tables)."""
+    x = np.asarray(x, dtype=float)
+    x = x[~np.isnan(x)]
+    if x.size == 0:
+        return (np.nan, np.nan, np.nan)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, (n_boot, x.size))].mean(1)
+    a = (1 - level) / 2
+    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def fmt_ci(m: float, lo: float, hi: float, scale: float = 100.0) -> str:
+    """'41.2 [38.0, 44.1]' (in %, by default)."""
+    return f"{m * scale:.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
+
+
+def load_run_policy(run: str | Path, objective: str | None = None):
+    """(model, tokenizer) of a run: the initial policy, or an objective's final checkpoint."""
+    from safetensors.torch import load_file
+
+    from gradlab.policy import load_policy
+    from gradlab.task import get_task
+
+    cfg = RunConfig.from_json(Path(run) / "config.json")
+    builtin = cfg.task == "arithmetic"
+    task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
+    model, tok = load_policy(cfg.model, task=task if builtin else None)
+    if objective is not None:
+        sd = load_file(Path(run) / "checkpoints" / objective / "model.safetensors")
+        model.load_state_dict(sd, strict=False)  # tied weights are stored once
+    return model.eval(), tok, task, cfg
+
+
+def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 777_000) -> float:
+    """Held-out accuracy (temperature 1, n fresh problems) of an objective's final policy."""
+    from gradlab.policy import evaluate
+
+    model, tok, task, _ = load_run_policy(run, objective)
+    return evaluate(model, tok, task, n=n, seed=seed)["accuracy"]

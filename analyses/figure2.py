@@ -1,0 +1,215 @@
+"""Figure 2 from a real measured step: does the shared-token gradient of one group cancel?
+
+One rollout of the shipped tiny policy (prompts × G responses, fixed generator) is cut into two
+minibatches as in the training loop; one AdamW step (lr 2e-4, GRPO loss) on the first makes the
+second off-policy. On the second minibatch each panel's loss is built and backpropagated, and a
+`ModulationProbe` hook on the real (B, T) log-prob tensor records W = −∂loss/∂l. One group of
+it is drawn: tokens shared by the whole group blue, by a subset light blue, divergent orange,
+the measured W under each token, and Σ_i W_{i,t} at the full-group shared positions, summed
+from the hook's W (nothing is drawn from a closed form).
+
+Group choice (a rule, not a pick): the first group of the second minibatch with mixed rewards,
+at least one full-group shared token, and no GRPO clip active on its rows ("no clip active").
+
+    python analyses/figure2.py            # → figures/figure2.png, figures/figure2.csv
+    python analyses/figure2.py --quick --out /tmp/f2.png
+
+Data (figure2.csv): one row per (panel, row, position): panel, objective, row, position,
+token_id, char, shared ("full" | "subset" | "none"), W, advantage, reward, text, clip_frac.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from analyses.common import FIGURES, set_threads  # noqa: E402
+from gradlab import objectives  # noqa: E402
+from gradlab.batch import advantages  # noqa: E402
+from gradlab.cancellation import cancellation  # noqa: E402
+from gradlab.nodes import shared_nodes  # noqa: E402
+from gradlab.rollout import generate  # noqa: E402
+from gradlab.testing import measure_on_model, optimizer_step_on  # noqa: E402
+
+PANELS = [  # (title, objective name, parameters)
+    ("(a) GRPO, constant normalisation", "grpo", {"norm": "const"}),
+    ("(b) GSPO", "gspo", {}),
+    ("(c) DFPO Min-Replace", "dfpo-min", {}),
+    ("(d) DFPO Orth-Proj", "dfpo-orth", {}),
+]
+COLORS = {"full": "#4C72B0", "subset": "#A6C8E8", "none": "#F28E2B"}
+
+
+def off_policy_step(model, tok, task, prompts: int, G: int, seed: int, lr: float):
+    """Rollout → step on minibatch 1 → (stepped model, rollout, advantages, rows of minibatch 2)."""
+    problems = task.problems(prompts, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ro = generate(model, tok, problems, G, task.max_new_tokens, 1.0, g, task=task)
+    adv = advantages(ro.rewards, ro.group)
+    half = max(1, prompts // 2)
+    first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
+    stepped = copy.deepcopy(model)
+    optimizer_step_on(stepped, ro, first, adv, objectives.get("grpo", norm="const").loss, lr)
+    return stepped, ro, adv, second
+
+
+def pick_group(W_grpo: torch.Tensor, batch, ro, rows: torch.Tensor) -> int:
+    """The group label chosen by the rule of the module docstring (ValueError if none fits)."""
+    grpo = objectives.get("grpo", norm="const")
+    W_noclip = grpo.modulation(batch, off=("clip",))
+    full = shared_nodes(batch, "prefix").node >= 0
+    for g in batch.group.unique(sorted=True).tolist():
+        m = batch.group == g
+        mixed = ro.rewards[rows][m].unique().numel() > 1
+        clipped = bool(((W_grpo[m] == 0) & (W_noclip[m] != 0)).any())
+        if mixed and bool(full[m].any()) and not clipped:
+            return g
+    raise ValueError("figure2: no group with mixed rewards, a shared prefix and no GRPO clip; "
+                     "try another --seed")
+
+
+def measure(model, tok, task, prompts: int = 4, G: int = 4, seed: int = 0,
+            lr: float = 2e-4) -> pd.DataFrame:
+    """Measured W of every panel's loss on one real off-policy minibatch, for one group.
+
+    Returns the figure2.csv frame (module docstring); W is float32 from the hook, per unit
+    log-prob, in each loss's own scale (1/B factors included, B = the minibatch's rows).
+    """
+    stepped, ro, adv, rows = off_policy_step(model, tok, task, prompts, G, seed, lr)
+    Ws = {}
+    for title, name, params in PANELS:
+        obj = objectives.get(name, **params)
+        Ws[title], batch = measure_on_model(stepped, ro, rows, adv, obj.loss)
+        Ws[title + "/clip"] = obj.stats(batch)["clip_frac"]
+    g = pick_group(Ws[PANELS[0][0]], batch, ro, rows)
+    keep = (batch.group == g).nonzero()[:, 0]
+    full = shared_nodes(batch, "prefix").node >= 0
+    trie = shared_nodes(batch, "trie").node >= 0
+    recs = []
+    for title, name, params in PANELS:
+        W = Ws[title]
+        for i, r in enumerate(keep.tolist()):
+            for t in range(int(batch.mask[r].sum())):
+                tid = int(batch.tokens[r, t])
+                recs.append({
+                    "panel": title, "objective": name, "row": i, "position": t,
+                    "token_id": tid, "char": _char(tok, tid),
+                    "shared": "full" if full[r, t] else "subset" if trie[r, t] else "none",
+                    "W": float(W[r, t]), "advantage": float(batch.advantages[r]),
+                    "reward": float(ro.rewards[rows[r]]), "text": ro.texts[int(rows[r])],
+                    "clip_frac": float(Ws[title + "/clip"])})
+    df = pd.DataFrame(recs)
+    df.attrs["rho"] = {t: cancellation(Ws[t][keep], _sub(batch, keep), "prefix").ratio
+                       for t, _, _ in PANELS}
+    df.attrs["prompt"] = ro.problems[int(rows[keep[0]])].prompt
+    return df
+
+
+def _sub(batch, keep):
+    return batch.replace(**{f: getattr(batch, f)[keep] for f in
+                            ("tokens", "mask", "logps", "old_logps", "advantages", "group")})
+
+
+def _char(tok, tid: int) -> str:
+    if tid == tok.eos_token_id:
+        return "EOS"
+    s = tok.convert_ids_to_tokens(tid)
+    return "␣" if s == " " else s
+
+
+def group_sums(df: pd.DataFrame) -> pd.DataFrame:
+    """Σ_i W_{i,t} over the group at each full-group shared position: panel, position, char,
+    sum, mass (Σ|W|). From the measured W in `df` only."""
+    d = df[df["shared"] == "full"].copy()
+    d["absW"] = d["W"].abs()
+    out = d.groupby(["panel", "position"], sort=False).agg(
+        char=("char", "first"), sum=("W", "sum"), mass=("absW", "sum")).reset_index()
+    return out
+
+
+def draw(df: pd.DataFrame) -> plt.Figure:
+    """2×2 panels of token strips with W (scaled) under each token and the Σ row."""
+    scale = 10.0 ** -np.floor(np.log10(df["W"].abs().max() or 1.0))
+    sums = group_sums(df)
+    panels = list(dict.fromkeys(df["panel"]))
+    G, T = df["row"].max() + 1, df["position"].max() + 1
+    fig, axes = plt.subplots(2, 2, figsize=(0.62 * T * 2 + 2, 1.05 * (G + 1.6) * 2))
+    for ax, title in zip(axes.flat, panels):
+        _panel(ax, df[df["panel"] == title], sums[sums["panel"] == title], scale, G, T)
+        s = sums[sums["panel"] == title]
+        ax.set_title(f"{title}\nmax |Σ_i W| at shared tokens = {s['sum'].abs().max():.1e}  "
+                     f"(ρ = {df.attrs.get('rho', {}).get(title, np.nan):.2g}, "
+                     f"clip frac {df[df['panel'] == title]['clip_frac'].iloc[0]:.2f})",
+                     fontsize=9)
+    fig.suptitle(f"Measured W (×{scale:.0e}) on one group of a real off-policy step, prompt "
+                 f"{df.attrs.get('prompt', '')!r}: blue = shared by the whole group, light "
+                 "blue = by a subset, orange = divergent", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _panel(ax, d: pd.DataFrame, s: pd.DataFrame, scale: float, G: int, T: int) -> None:
+    for r in d.itertuples():
+        y = -r.row * 1.1
+        ax.add_patch(plt.Rectangle((r.position, y), 0.92, 0.55, color=COLORS[r.shared]))
+        ax.text(r.position + 0.46, y + 0.27, r.char, ha="center", va="center",
+                fontsize=6 if r.char == "EOS" else 9, color="white" if r.shared == "full" else "k")
+        ax.text(r.position + 0.46, y - 0.2, f"{r.W * scale:+.2f}", ha="center", va="center",
+                fontsize=6)
+    for i, a in d.groupby("row")[["advantage", "reward"]].first().iterrows():
+        ax.text(-0.3, -i * 1.1 + 0.27, f"A={a.advantage:+.2f} R={a.reward:.0f}", ha="right",
+                va="center", fontsize=7)
+    y = -G * 1.1 - 0.1
+    ax.text(-0.3, y, "Σ_i W", ha="right", va="center", fontsize=8, weight="bold")
+    for r in s.itertuples():
+        ax.text(r.position + 0.46, y, f"{r.sum * scale:+.2f}", ha="center", va="center",
+                fontsize=7, weight="bold", color=COLORS["full"])
+    ax.set_xlim(-3.2, T + 0.2)
+    ax.set_ylim(y - 0.5, 0.8)
+    ax.axis("off")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gradlab.policy import load_policy
+    from gradlab.task import ArithmeticTask
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 prompts, for tests")
+    p.add_argument("--out", default=str(FIGURES / "figure2.png"))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--G", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-4)
+    a = p.parse_args(argv)
+    set_threads(1)
+    t0 = time.time()
+    model, tok = load_policy()
+    df = measure(model, tok, ArithmeticTask(), 2 if a.quick else a.prompts, a.G, a.seed, a.lr)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out.with_suffix(".csv"), index=False)
+    fig = draw(df)
+    fig.savefig(out, dpi=80 if a.quick else 130, bbox_inches="tight")
+    plt.close(fig)
+    s = group_sums(df).groupby("panel", sort=False)["sum"].apply(lambda x: x.abs().max())
+    print(s.to_frame("max |Σ_i W| at full-group shared positions").to_markdown(floatfmt=".2e"))
+    print(f"wrote {out} and {out.with_suffix('.csv')} in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""`gradlab check`: a regression check of shared-token cancellation, against MATH.md and a baseline.
+
+A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on synthetic groups, a
+`ModulationProbe` hook on a real tiny-model step) and the cancellation ratio ρ at full-group
+("prefix") and trie nodes (MATH.md §3):
+
+  synthetic/<variant>/<regime>  `random_batch` groups, seeds 0-2, regimes of `testing.REGIMES`:
+                                on (on-policy, unequal lengths), near (off_policy 0.3), far
+                                (off_policy 1.0: a PPO clip at eps 0.2 fires), on-eq (on-policy,
+                                equal lengths)
+  model/<variant>/on            the shipped tiny Qwen3: 4 prompts × G=8 sampled with a fixed
+                                generator, measured before any update (every ratio 1)
+  model/<variant>/off           the same rollout's 2nd minibatch (groups 2-3) after one AdamW
+                                step (lr 2e-4) on the 1st (groups 0-1), as in the training loop
+
+Each scenario is held to (1) the invariants of MATH.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
+exchangeable objectives cancel (ρ ≈ 0), non-exchangeable ones do not (ρ > 0), and the hook
+equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: per
+scenario max |Δρ| ≤ max_abs, and per source the mean signed Δρ ≤ mean (a drift of everything at
+once). The baseline records the environment it was made in; if the sampled rollout differs
+(another torch, another CPU) the model scenarios skip the baseline comparison and say so, and
+still check the invariants. Exit code 0: all good; 1: a violation (named); 2: bad arguments.
+
+    gradlab check                         # built-in objectives vs MATH.md and the baseline
+    gradlab check --only gspo             # scenarios whose name contains "gspo"
+    gradlab check --update                # rewrite the baseline (refused if an invariant fails)
+    gradlab check --loss my_pkg.losses:my_loss            # your loss: must cancel everywhere
+    gradlab check --loss path/to/losses.py:my_loss --expect residual
+
+A user loss is `fn(batch: gradlab.TokenBatch) -> scalar tensor`, built from batch.logps (B, T)
+(with batch.old_logps, batch.advantages (B,), batch.mask, batch.tokens, batch.group). It is
+checked on every scenario above; `--update --baseline mine.json` records a baseline for it and
+later runs with `--baseline mine.json` compare against it. In pytest, use
+`gradlab.testing.assert_cancels_in_regimes(my_loss)` for the synthetic part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import importlib
+import importlib.util
+import json
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
+SEEDS = (0, 1, 2)
+COLUMNS = ("on", "near", "far", "on-eq", "model-on", "model-off")
+# variant → (objective name, parameters)
+VARIANTS = {
+    "grpo": ("grpo", {}), "grpo-const": ("grpo", {"norm": "const"}),
+    "grpo-seq": ("grpo", {"norm": "seq"}), "grpo-fix": ("grpo-fix", {}), "gspo": ("gspo", {}),
+    "gspo-token": ("gspo-token", {}), "dfpo-min": ("dfpo-min", {}), "dfpo-orth": ("dfpo-orth", {}),
+    "dfpo-scale": ("dfpo-scale", {}), "dfpo-nosg": ("dfpo", {"stop_grad": False}),
+}
+# Expected ρ per regime column (COLUMNS): 0 = cancels (MATH.md §3: exchangeable), + = does not
+# (a mechanism of §3 is active), . = baseline only (depends on the sample, e.g. real lengths).
+# grpo far: asymmetric clipping; grpo-seq/gspo on: 1/T_i; gspo near/far/model-off: coupling
+# and GSPO's tight sequence clip; on-eq: GSPO = GRPO; dfpo-scale = ½·GSPO at shared tokens;
+# dfpo-nosg: the gradient through w̃ adds a row-dependent term.
+EXPECT_PREFIX = """
+grpo       0 0 + 0 0 .
+grpo-const 0 0 + 0 0 .
+grpo-seq   + + + 0 . .
+grpo-fix   0 0 0 0 0 0
+gspo       + + + 0 . +
+gspo-token + + + 0 . +
+dfpo-min   0 0 0 0 0 0
+dfpo-orth  0 0 0 0 0 0
+dfpo-scale + + + 0 . +
+dfpo-nosg  + + + + + +
+"""
+# Trie nodes: a subset's Σ A is legitimate credit; constant-scale token objectives stay
+# exchangeable there (DFPO's default scope is the full-group prefix only: baseline only).
+EXPECT_TRIE = """
+grpo       0 0 . 0 0 .
+grpo-const 0 0 . 0 0 .
+grpo-fix   0 0 0 0 0 0
+"""
+DEFAULT_TOL = {
+    "synthetic": {"max_abs": 1e-6, "mean": 1e-8, "zero": 1e-9, "hook": 1e-9},
+    "model": {"max_abs": 1e-3, "mean": 1e-4, "zero": 1e-5, "hook": 1e-4},
+    "positive": 1e-3,
+}
+MODEL = {"prompts": 4, "G": 8, "problem_seed": 2024, "sample_seed": 0, "lr": 2e-4}
+
+
+def _table(text: str) -> dict[str, dict[str, str]]:
+    out = {}
+    for line in text.strip().splitlines():
+        name, *marks = line.split()
+        out[name] = dict(zip(COLUMNS, marks))
+    return out
+
+
+@dataclass
+class Scenario:
+    key: str  # source/variant/regime
+    loss: Callable  # () -> loss_fn(batch); built at run time so monkeypatches apply
+    closed: Callable | None  # () -> objective with .modulation, or None (user loss)
+    expect: dict[str, str]  # {"rho_prefix": "0" | "+" | ".", "rho_trie": ...}
+
+    @property
+    def source(self) -> str:
+        return self.key.split("/")[0]
+
+    @property
+    def regime(self) -> str:
+        return self.key.rsplit("/", 1)[1]
+
+
+@dataclass
+class Result:
+    key: str
+    rho_prefix: list[float]
+    rho_trie: list[float]
+    hook_dev: float | None  # max |W_hook − W_closed| / max |W_hook|
+    problems: list[str] = field(default_factory=list)
+    delta: float | None = None  # max |Δρ| against the baseline
+    note: str = ""
+
+
+def builtin_scenarios() -> list[Scenario]:
+    pre, tri = _table(EXPECT_PREFIX), _table(EXPECT_TRIE)
+    out = []
+    for v, (name, params) in VARIANTS.items():
+        build = (lambda n=name, p=params: __import__("gradlab").objectives.get(n, **p))
+        for col in COLUMNS:
+            key = f"model/{v}/{col[6:]}" if col.startswith("model") else f"synthetic/{v}/{col}"
+            exp = {"rho_prefix": pre[v][col], "rho_trie": tri.get(v, {}).get(col, ".")}
+            out.append(Scenario(key, (lambda b=build: b().loss), build, exp))
+    return out
+
+
+def user_scenarios(spec: str, expect: str) -> list[Scenario]:
+    """Scenarios for a user loss `module:function` or `path/file.py:function`."""
+    fn = load_loss(spec)
+    label = "loss:" + spec.rsplit(":", 1)[1]
+    mark = {"cancels": "0", "residual": ".", "none": "."}[expect]
+    return [Scenario(f"model/{label}/{c[6:]}" if c.startswith("model") else f"synthetic/{label}/{c}",
+                     lambda: fn, None, {"rho_prefix": mark, "rho_trie": "."}) for c in COLUMNS]
+
+
+def load_loss(spec: str) -> Callable:
+    if ":" not in spec:
+        raise ValueError(f"--loss {spec!r}: expected module:function or path/file.py:function")
+    mod_name, fn_name = spec.rsplit(":", 1)
+    if mod_name.endswith(".py"):
+        path = Path(mod_name)
+        if not path.is_file():
+            raise ValueError(f"--loss {spec!r}: no file {path}")
+        s = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(s)
+        s.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(mod_name)
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--loss {spec!r}: {mod_name} has no callable {fn_name!r}")
+    return fn
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _rhos(W, batch) -> tuple[float, float]:
+    from .cancellation import cancellation
+
+    return cancellation(W, batch, "prefix").ratio, cancellation(W, batch, "trie").ratio
+
+
+def _hook_dev(W, closed, batch) -> float | None:
+    if closed is None:
+        return None
+    Wc = closed().modulation(batch).to(W.dtype)
+    return float((W - Wc).abs().max() / W.abs().max().clamp(min=1e-30))
+
+
+def run_synthetic(sc: Scenario) -> Result:
+    from .testing import REGIMES, measure_modulation, random_batch
+
+    pre, tri, devs = [], [], []
+    for s in SEEDS:
+        b = random_batch(n_groups=4, G=4, T=12, seed=s, **REGIMES[sc.regime])
+        W = measure_modulation(sc.loss(), b)
+        p, t = _rhos(W, b)
+        pre.append(p), tri.append(t), devs.append(_hook_dev(W, sc.closed, b))
+    return Result(sc.key, pre, tri, None if sc.closed is None else max(devs))
+
+
+@dataclass
+class ModelSteps:
+    """The real-model batches: the policy before and after one step, one rollout (float32)."""
+
+    on: torch.nn.Module
+    off: torch.nn.Module
+    ro: object
+    adv: torch.Tensor
+    rows_on: torch.Tensor
+    rows_off: torch.Tensor
+    fingerprint: str
+
+
+def model_steps() -> ModelSteps:
+    from . import objectives
+    from .batch import advantages
+    from .policy import load_policy
+    from .rollout import generate
+    from .task import ArithmeticTask
+    from .testing import optimizer_step_on
+
+    model, tok = load_policy()
+    task = ArithmeticTask()
+    problems = task.problems(MODEL["prompts"], seed=MODEL["problem_seed"])
+    g = torch.Generator().manual_seed(MODEL["sample_seed"])
+    ro = generate(model, tok, problems, MODEL["G"], task.max_new_tokens, 1.0, g, task=task)
+    adv = advantages(ro.rewards, ro.group)
+    half = MODEL["prompts"] // 2
+    first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
+    off = copy.deepcopy(model)
+    optimizer_step_on(off, ro, first, adv, objectives.get("grpo", norm="const").loss, MODEL["lr"])
+    h = hashlib.sha1(ro.response_ids.numpy().tobytes() + ro.rewards.numpy().tobytes())
+    return ModelSteps(model, off, ro, adv, torch.arange(len(ro.texts)), second, h.hexdigest()[:16])
+
+
+def run_model(sc: Scenario, ms: ModelSteps) -> Result:
+    from .testing import measure_on_model
+
+    model, rows = (ms.on, ms.rows_on) if sc.regime == "on" else (ms.off, ms.rows_off)
+    W, batch = measure_on_model(model, ms.ro, rows, ms.adv, sc.loss())
+    p, t = _rhos(W, batch)
+    return Result(sc.key, [p], [t], _hook_dev(W, sc.closed, batch))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """1 intra-op thread: the same float summation order everywhere (and far faster than 2
+    contended threads for a 0.1M-parameter model)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def run(scenarios: list[Scenario]) -> tuple[list[Result], str | None]:
+    """Measure every scenario; returns (results, model fingerprint or None)."""
+    ms = None
+    out = []
+    with one_thread():
+        for sc in scenarios:
+            if sc.source == "synthetic":
+                out.append(run_synthetic(sc))
+            else:
+                ms = ms or model_steps()
+                out.append(run_model(sc, ms))
+    return out, (ms.fingerprint if ms else None)
+
+
+# ----------------------------------------------------------------------------- judging
+
+
+def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict) -> None:
+    """Append MATH.md violations to each result's `problems`."""
+    for r, sc in zip(results, scenarios):
+        t = tol[sc.source]
+        for metric in ("rho_prefix", "rho_trie"):
+            rho, mark = max(getattr(r, metric)), sc.expect[metric]
+            if mark == "0" and rho > t["zero"]:
+                r.problems.append(f"{metric} {rho:.3g} > {t['zero']:g}: expected cancellation")
+            if mark == "+" and rho < tol["positive"]:
+                r.problems.append(f"{metric} {rho:.3g} < {tol['positive']:g}: expected a residual")
+        if r.hook_dev is not None and r.hook_dev > t["hook"]:
+            r.problems.append(f"hook W ≠ closed form (rel. {r.hook_dev:.2g})")
+
+
+def compare(results: list[Result], base: dict, fingerprint: str | None, tol: dict) -> list[str]:
+    """Baseline comparison: per-scenario max |Δρ| into each result; returns source-level
+    problems (mean drift, missing scenarios) as messages."""
+    scen = base.get("scenarios", {})
+    comparable = {"synthetic": True,
+                  "model": fingerprint is not None and fingerprint == base.get("fingerprint")}
+    deltas: dict[str, list[float]] = {"synthetic": [], "model": []}
+    for r in results:
+        src = r.key.split("/")[0]
+        if r.key not in scen:
+            r.note = "no baseline"
+            continue
+        if not comparable[src]:
+            r.note = "samples differ from baseline: not compared"
+            continue
+        b = scen[r.key]
+        new, old = r.rho_prefix + r.rho_trie, b["rho_prefix"] + b["rho_trie"]
+        if len(new) != len(old):
+            r.problems.append("baseline has a different number of seeds")
+            continue
+        d = [x - y for x, y in zip(new, old)]
+        deltas[src] += d
+        r.delta = max(abs(x) for x in d)
+        if r.delta > tol[src]["max_abs"]:
+            r.problems.append(f"|Δρ| {r.delta:.3g} > {tol[src]['max_abs']:g} vs baseline")
+    msgs = []
+    for src, d in deltas.items():
+        if d and abs(sum(d) / len(d)) > tol[src]["mean"]:
+            msgs.append(f"{src}: mean Δρ {sum(d) / len(d):+.3g} over {len(d)} values exceeds "
+                        f"the mean-drift tolerance {tol[src]['mean']:g}")
+    if not comparable["model"] and fingerprint is not None and base:
+        msgs_env = environment_diff(base.get("environment", {}))
+        print(f"note: model rollout differs from the baseline's ({msgs_env}); "
+              "model scenarios are checked against MATH.md only")
+    return msgs
+
+
+def environment() -> dict:
+    import transformers
+
+    from . import __version__
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "gradlab": __version__,
+            "platform": platform.platform(), "machine": platform.machine(), "threads": 1}
+
+
+def environment_diff(old: dict) -> str:
+    now = environment()
+    d = [f"{k}: {old.get(k)} → {v}" for k, v in now.items() if old.get(k) != v]
+    return "; ".join(d) or "same environment"
+
+
+def baseline_dict(results: list[Result], fingerprint: str | None, tol: dict) -> dict:
+    return {"gradlab_check": 1, "environment": environment(), "tolerance": tol,
+            "fingerprint": fingerprint, "model_setup": MODEL, "seeds": list(SEEDS),
+            "scenarios": {r.key: {"rho_prefix": r.rho_prefix, "rho_trie": r.rho_trie}
+                          for r in results}}
+
+
+def _dumps(d: dict) -> str:
+    """JSON with one line per scenario (readable diffs in review)."""
+    d = dict(d)
+    scen = d.pop("scenarios")
+    body = json.dumps(d, indent=1)[:-2]
+    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in scen.items())
+    return body + ',\n "scenarios": {\n' + rows + "\n }\n}\n"
+
+
+def render(results: list[Result], scenarios: list[Scenario]) -> str:
+    """The readable table (markdown-ish, fixed width)."""
+    head = (f"{'scenario':<30} {'ρ prefix':>9} {'ρ trie':>9} {'expect':>6} {'hook−closed':>11} "
+            f"{'|Δ| base':>9}  status")
+    lines = [head, "-" * len(head)]
+    for r, sc in zip(results, scenarios):
+        exp = f"{sc.expect['rho_prefix']}/{sc.expect['rho_trie']}"
+        dev = "—" if r.hook_dev is None else f"{r.hook_dev:.1e}"
+        dlt = "—" if r.delta is None else f"{r.delta:.1e}"
+        status = "FAIL: " + "; ".join(r.problems) if r.problems else "ok" + (
+            f" ({r.note})" if r.note else "")
+        lines.append(f"{r.key:<30} {max(r.rho_prefix):>9.3g} {max(r.rho_trie):>9.3g} {exp:>6} "
+                     f"{dev:>11} {dlt:>9}  {status}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gradlab check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--update", action="store_true", help="rewrite the baseline")
+    p.add_argument("--baseline", default=str(BASELINE), help="baseline JSON (default: committed)")
+    p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
+    p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
+                   help="for --loss: must it cancel everywhere (default), show a residual "
+                        "somewhere, or only match the baseline")
+    p.add_argument("--only", help="only scenarios whose name contains this string")
+    p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # `gradlab check -- --update`
+    try:
+        scenarios = user_scenarios(a.loss, a.expect) if a.loss else builtin_scenarios()
+    except (ValueError, ImportError) as e:
+        print(f"gradlab check: error: {e}", file=sys.stderr)
+        return 2
+    scenarios = [s for s in scenarios if (not a.only or a.only in s.key)
+                 and not (a.no_model and s.source == "model")]
+    if not scenarios:
+        print(f"gradlab check: error: no scenario matches --only {a.only!r}", file=sys.stderr)
+        return 2
+    path = Path(a.baseline)
+    base = json.loads(path.read_text()) if path.is_file() else {}
+    tol = base.get("tolerance", DEFAULT_TOL)
+    results, fp = run(scenarios)
+    check_invariants(results, scenarios, tol)
+    msgs = [] if a.update else compare(results, base, fp, tol)
+    if a.loss and a.expect == "residual" and max(max(r.rho_prefix) for r in results) < tol["positive"]:
+        msgs.append(f"{a.loss}: expected a residual somewhere, but ρ < {tol['positive']:g} in "
+                    "every scenario")
+    print(render(results, scenarios))
+    bad = [r for r in results if r.problems]
+    for m in msgs:
+        print("FAIL:", m)
+    if a.update:
+        if bad:
+            print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate MATH.md")
+            return 1
+        old = base.get("scenarios", {}) if (a.only or a.no_model) else {}
+        new = baseline_dict(results, fp or base.get("fingerprint"), tol)
+        new["scenarios"] = {**old, **new["scenarios"]}
+        path.write_text(_dumps(new))
+        print(f"baseline written: {path} ({len(new['scenarios'])} scenarios)")
+        return 0
+    if bad or msgs:
+        names = ", ".join(r.key for r in bad)
+        print(f"gradlab check: {len(bad)} scenario(s) failed{': ' + names if names else ''}")
+        return 1
+    print(f"gradlab check: all {len(results)} scenarios pass")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""torchrun + DDP (gloo, 2 CPU processes) against one process on the same global batch."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+import gradlab
+
+ARGS = ["--objectives", "grpo,gspo", "--prompts", "4", "--G", "4", "--minibatches", "2",
+        "--ckpt-every", "3", "--tax-every", "1", "--probe-contexts", "4", "--no-progress"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(out: Path, steps: int, popen: bool = False):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "gradlab", "tandem", "--out", str(out), "--steps", str(steps), *ARGS]
+    if popen:
+        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, "-m", "gradlab", "tandem", "--out", str(one), "--steps", "3",
+                    *ARGS], env=ENV, check=True, capture_output=True, timeout=600)
+    r = _torchrun(two, 3)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for obj in ("grpo", "gspo"):
+        a = load_file(one / "checkpoints" / obj / "model.safetensors")
+        b = load_file(two / "checkpoints" / obj / "model.safetensors")
+        assert a.keys() == b.keys()
+        for k in a:
+            scale = float(a[k].abs().max()) + 1e-12
+            assert float((a[k] - b[k]).abs().max()) / scale < 1e-5, (obj, k)
+    wa, wb = gradlab.load_run(one, wide=True), gradlab.load_run(two, wide=True)
+    assert len(wa) == len(wb) == 6
+    assert (wa["tokens"].to_numpy() == wb["tokens"].to_numpy()).all()
+    for m, tol in [("reward", 0), ("accuracy", 0), ("rho_prefix", 1e-6), ("rho_trie", 1e-6),
+                   ("probe_kl", 1e-6), ("drift_node_kl_mean", 1e-7), ("grad_norm", 1e-5),
+                   ("tax_share", 1e-6), ("loss", 1e-6)]:
+        np.testing.assert_allclose(wa[m], wb[m], rtol=1e-3, atol=tol, err_msg=m)
+    assert (wa["rho_prefix"][wa["objective"] == "gspo"] > 1e-3).any()  # a real residual compared
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="needs /proc to find the worker processes")
+def test_killing_one_rank_fails_the_launch_and_leaves_the_store_readable(tmp_path):
+    out = tmp_path / "killed"
+    proc = _torchrun(out, 40, popen=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and
+                                          len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.1)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "FAILED" in log and "SIGKILL" in log, log[-2000:]
+    df = gradlab.load_run(out)
+    assert df["step"].max() >= 0 and set(df["objective"]) <= {"grpo", "gspo"}
