@@ -9,7 +9,8 @@ the measured W under each token, and Σ_i W_{i,t} at the full-group shared posit
 from the hook's W (nothing is drawn from a closed form).
 
 Group choice (a rule, not a pick): the first group of the second minibatch with mixed rewards,
-at least one full-group shared token, and no GRPO clip active on its rows ("no clip active").
+at least one full-group shared token, at least one divergent token (not all responses
+duplicated) and no GRPO clip active on its rows ("no clip active").
 
     python analyses/figure2.py            # → figures/figure2.png, figures/figure2.csv
     python analyses/figure2.py --quick --out /tmp/f2.png
@@ -72,17 +73,18 @@ def pick_group(W_grpo: torch.Tensor, batch, ro, rows: torch.Tensor) -> int:
     grpo = objectives.get("grpo", norm="const")
     W_noclip = grpo.modulation(batch, off=("clip",))
     full = shared_nodes(batch, "prefix").node >= 0
+    divergent = (shared_nodes(batch, "trie").node < 0) & batch.mask
     for g in batch.group.unique(sorted=True).tolist():
         m = batch.group == g
         mixed = ro.rewards[rows][m].unique().numel() > 1
         clipped = bool(((W_grpo[m] == 0) & (W_noclip[m] != 0)).any())
-        if mixed and bool(full[m].any()) and not clipped:
+        if mixed and bool(full[m].any()) and bool(divergent[m].any()) and not clipped:
             return g
-    raise ValueError("figure2: no group with mixed rewards, a shared prefix and no GRPO clip; "
-                     "try another --seed")
+    raise ValueError("figure2: no group with mixed rewards, a shared prefix, a divergent token "
+                     "and no GRPO clip; try another --seed or a larger --prompts")
 
 
-def measure(model, tok, task, prompts: int = 4, G: int = 4, seed: int = 0,
+def measure(model, tok, task, prompts: int = 8, G: int = 4, seed: int = 0,
             lr: float = 2e-4) -> pd.DataFrame:
     """Measured W of every panel's loss on one real off-policy minibatch, for one group.
 
@@ -141,19 +143,32 @@ def group_sums(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per panel: Σ_i W at each full-group shared position (they are listed in order), the
+    largest |Σ|, Σ|W| there, ρ of the group and the loss's clip fraction on the minibatch."""
+    s = group_sums(df)
+    rows = []
+    for title, d in s.groupby("panel", sort=False):
+        rows.append({"panel": title, "Σ_i W at shared positions": ", ".join(
+            f"{v:.3g}" for v in d["sum"]), "max |Σ|": d["sum"].abs().max(),
+            "Σ|W| there": d["mass"].sum(), "ρ (group)": df.attrs.get("rho", {}).get(title),
+            "clip frac (minibatch)": df[df["panel"] == title]["clip_frac"].iloc[0]})
+    return pd.DataFrame(rows)
+
+
 def draw(df: pd.DataFrame) -> plt.Figure:
     """2×2 panels of token strips with W (scaled) under each token and the Σ row."""
     scale = 10.0 ** -np.floor(np.log10(df["W"].abs().max() or 1.0))
     sums = group_sums(df)
     panels = list(dict.fromkeys(df["panel"]))
     G, T = df["row"].max() + 1, df["position"].max() + 1
-    fig, axes = plt.subplots(2, 2, figsize=(0.62 * T * 2 + 2, 1.05 * (G + 1.6) * 2))
+    fig, axes = plt.subplots(2, 2, figsize=(0.62 * T * 2 + 2, 0.7 * (G + 2) * 2))
     for ax, title in zip(axes.flat, panels):
         _panel(ax, df[df["panel"] == title], sums[sums["panel"] == title], scale, G, T)
         s = sums[sums["panel"] == title]
         ax.set_title(f"{title}\nmax |Σ_i W| at shared tokens = {s['sum'].abs().max():.1e}  "
                      f"(ρ = {df.attrs.get('rho', {}).get(title, np.nan):.2g}, "
-                     f"clip frac {df[df['panel'] == title]['clip_frac'].iloc[0]:.2f})",
+                     f"minibatch clip frac {df[df['panel'] == title]['clip_frac'].iloc[0]:.3f})",
                      fontsize=9)
     fig.suptitle(f"Measured W (×{scale:.0e}) on one group of a real off-policy step, prompt "
                  f"{df.attrs.get('prompt', '')!r}: blue = shared by the whole group, light "
@@ -168,15 +183,16 @@ def _panel(ax, d: pd.DataFrame, s: pd.DataFrame, scale: float, G: int, T: int) -
         ax.add_patch(plt.Rectangle((r.position, y), 0.92, 0.55, color=COLORS[r.shared]))
         ax.text(r.position + 0.46, y + 0.27, r.char, ha="center", va="center",
                 fontsize=6 if r.char == "EOS" else 9, color="white" if r.shared == "full" else "k")
-        ax.text(r.position + 0.46, y - 0.2, f"{r.W * scale:+.2f}", ha="center", va="center",
-                fontsize=6)
+        w = "0" if r.W == 0 else f"{r.W * scale:+.2f}"  # exactly 0: clipped / min-replaced
+        ax.text(r.position + 0.46, y - 0.2, w, ha="center", va="center", fontsize=6)
     for i, a in d.groupby("row")[["advantage", "reward"]].first().iterrows():
         ax.text(-0.3, -i * 1.1 + 0.27, f"A={a.advantage:+.2f} R={a.reward:.0f}", ha="right",
                 va="center", fontsize=7)
     y = -G * 1.1 - 0.1
     ax.text(-0.3, y, "Σ_i W", ha="right", va="center", fontsize=8, weight="bold")
     for r in s.itertuples():
-        ax.text(r.position + 0.46, y, f"{r.sum * scale:+.2f}", ha="center", va="center",
+        v = "0" if r.sum == 0 else f"{r.sum * scale:+.2f}"
+        ax.text(r.position + 0.46, y, v, ha="center", va="center",
                 fontsize=7, weight="bold", color=COLORS["full"])
     ax.set_xlim(-3.2, T + 0.2)
     ax.set_ylim(y - 0.5, 0.8)
@@ -188,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     from gradlab.task import ArithmeticTask
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 prompts, for tests")
+    p.add_argument("--quick", action="store_true", help="low-resolution image, for tests")
     p.add_argument("--out", default=str(FIGURES / "figure2.png"))
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--G", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=2e-4)
@@ -198,15 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(1)
     t0 = time.time()
     model, tok = load_policy()
-    df = measure(model, tok, ArithmeticTask(), 2 if a.quick else a.prompts, a.G, a.seed, a.lr)
+    df = measure(model, tok, ArithmeticTask(), a.prompts, a.G, a.seed, a.lr)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out.with_suffix(".csv"), index=False)
     fig = draw(df)
     fig.savefig(out, dpi=80 if a.quick else 130, bbox_inches="tight")
     plt.close(fig)
-    s = group_sums(df).groupby("panel", sort=False)["sum"].apply(lambda x: x.abs().max())
-    print(s.to_frame("max |Σ_i W| at full-group shared positions").to_markdown(floatfmt=".2e"))
+    print(summary(df).to_markdown(index=False, floatfmt=".3g"))
     print(f"wrote {out} and {out.with_suffix('.csv')} in {time.time() - t0:.1f} s")
     return 0
 

@@ -26,7 +26,7 @@ from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .metrics import StepMetrics, probe_set, probe_metrics
 from .policy import load_policy
-from .probes import ModulationProbe, learning_tax, layer_groups, node_drift
+from .probes import ModulationProbe, learning_tax, layer_groups, node_drift, shared_drift
 from .probes.tax import reduce_tax
 from .rollout import Rollout, generate, token_logps
 from .store import RunStore
@@ -119,12 +119,36 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     acc.time("update", t2)
     if cfg.drift:
         t3 = time.perf_counter()
-        with torch.no_grad(), amp_context(cfg):
-            _, after = token_logps(unwrap(L.model), ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                      ro.response_ids[rows], ro.response_mask[rows],
-                                      cfg.temperature, return_logprobs=True)
-        acc.add_drift(node_drift(logprobs.detach(), after, batch, acc.last_prefix_nodes))
+        drift_step(L, cfg, ro, rows, batch, logprobs.detach(), acc.last_prefix_nodes, heavy, acc)
         acc.time("probes", t3)
+
+
+@torch.no_grad()
+def drift_step(L: Learner, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
+               before: torch.Tensor, sn, heavy: bool, acc: StepMetrics) -> None:
+    """How the step just taken moved the policy (MATH.md §4), from `before` (B, T, V).
+
+    Cheap (every step): at the full-group shared nodes only — one representative row per
+    group, truncated after its last shared position, so the extra forward is ~1/G of a batch
+    forward over the shared prefix. Heavy steps: every position (divergent tokens by sign of A).
+    """
+    raw = unwrap(L.model)
+    with amp_context(cfg):
+        if heavy:
+            _, after = token_logps(raw, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                                   ro.response_ids[rows], ro.response_mask[rows],
+                                   cfg.temperature, return_logprobs=True)
+            acc.add_drift(node_drift(before, after, batch, sn))
+            return
+        if sn.n == 0:
+            return
+        reps = torch.unique(sn.rep)  # (R,) local rows
+        t_max = int(sn.position.max()) + 1
+        r = rows[reps]
+        _, after = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
+                               ro.response_mask[r, :t_max], cfg.temperature, return_logprobs=True)
+    a = after[torch.searchsorted(reps, sn.rep), sn.position]  # (N, V)
+    acc.add_drift(shared_drift(before[sn.rep, sn.position], a, sn.token))
 
 
 def _idle_step(L: Learner, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,

@@ -344,3 +344,43 @@ def test_schedule_and_disabled_probe(setup):
     assert probe.W is None
     with pytest.raises(ValueError, match="require grad"):
         ModulationProbe().watch(lp.detach())
+
+
+def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
+    """The loop's cheap drift (rep rows, truncated forward) equals node_drift on full forwards."""
+    import copy
+
+    from gradlab.config import RunConfig
+    from gradlab.metrics import StepMetrics
+    from gradlab.nodes import shared_nodes
+    from gradlab.policy import load_policy
+    from gradlab.rollout import generate, token_logps
+    from gradlab.task import ArithmeticTask
+    from gradlab.train import Learner, drift_step
+
+    model, tok = load_policy()
+    task = ArithmeticTask()
+    ro = generate(model, tok, task.problems(3, seed=1), G=4, max_new_tokens=12,
+                  row_keys=torch.arange(12))
+    rows = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3])
+    _, before = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                            ro.response_ids[rows], ro.response_mask[rows], return_logprobs=True)
+    z = torch.zeros(ro.response_ids[rows].shape)
+    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], z, z, z[:, 0],
+                           ro.group[rows])
+    sn = shared_nodes(b, "prefix")
+    assert sn.n > 0
+    after_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in after_model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    L = Learner("x", None, after_model, None, None)
+    cfg = RunConfig(progress=False)
+    out = {}
+    for heavy in (False, True):
+        acc = StepMetrics()
+        drift_step(L, cfg, ro, rows, b, before.detach(), sn, heavy, acc)
+        out[heavy] = acc.finish()
+    for k in ("drift_node_kl_mean", "drift_node_dlogp_mean", "drift_node_count"):
+        assert out[False][k] == pytest.approx(out[True][k], rel=1e-4, abs=1e-9), k
+    assert out[True]["drift_node_kl_mean"] > 0

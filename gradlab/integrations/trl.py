@@ -7,25 +7,21 @@
 
 Your own `GRPOTrainer` subclass: `class T(GradlabMixin, MyGRPOTrainer): pass`.
 
-How, without copying TRL's loss (MATH.md §2): `_compute_loss` is wrapped to arm a flag, and the
-first grad-carrying result of `_get_per_token_logps_and_entropies` inside it (the (B, T) policy
-log-probs; old/ref log-probs are computed under no_grad) gets a backward hook: the gradient it
-receives is −W, whatever `loss_type`, `importance_sampling_level`, clipping or normaliser.
+How, without copying TRL's loss (MATH.md §2): `_compute_loss` is wrapped to arm a flag; the first
+grad-carrying result of `_get_per_token_logps_and_entropies` inside it (the (B, T) policy
+log-probs; old/ref log-probs come under no_grad) gets a backward hook, which receives −W for
+any `loss_type`, `importance_sampling_level`, clipping or normaliser.
 
-Groups: TRL's inputs carry no group id. The generation batch leaves
-`_generate_and_score_completions` in `RepeatSampler` order (a prompt's G copies consecutive),
-so groups are reconstructed there from the prompt ids (runs of equal prompts, cut every
-`num_generations` rows, so a prompt that occurs twice gives two groups) and two (B,) tensors
-(row index, group label) are added to the batch; TRL's shuffle and split carry them along.
-W is gathered over the `steps_per_generation` micro-batches of one pass over the generation
-batch (a *window*; `num_iterations` > 1 makes several windows per generation batch) and, under
-data parallelism, over processes; the window's figures are logged once.
+Groups: TRL's inputs carry no group id. In `_generate_and_score_completions` the batch is still
+in `RepeatSampler` order (a prompt's G copies consecutive): groups are runs of equal prompt ids,
+cut every `num_generations` rows, and a (B,) row index and group label are added to the batch,
+which TRL's shuffle and split carry along. W is gathered over the `steps_per_generation` loss
+calls of one pass over the generation batch (a *window*) and over processes, then reported.
 
-DFPO drop-in: `DFPOGradientTransform` on the same log-probs (w = W/A, so any loss of the form
-W = A·w: every TRL loss_type with beta = 0). It needs each group whole inside one loss call: with
-dfpo set, TRL's row shuffle is replaced by a group shuffle (groups in random order, rows of a
-group contiguous), so each micro-batch holds whole groups when per_device_train_batch_size is a
-multiple of num_generations; anything else (e.g. a group cut across processes) raises.
+DFPO drop-in: `DFPOGradientTransform` on the same log-probs (w = W/A: any TRL loss_type with
+beta = 0). Each group must be whole inside one loss call: with dfpo set, TRL's row shuffle is
+replaced by a group shuffle, so micro-batches hold whole groups when per_device_train_batch_size
+is a multiple of num_generations; a group cut anyway (e.g. across processes) raises.
 """
 
 from __future__ import annotations
@@ -73,14 +69,11 @@ class GradlabConfig:
     objective: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dfpo is not None and self.dfpo not in TRANSFORMS:
-            raise ValueError(f"GradlabConfig: unknown dfpo={self.dfpo!r}; valid: None, {TRANSFORMS}")
-        if self.dfpo_nodes not in NODE_KINDS:
-            raise ValueError(f"GradlabConfig: unknown dfpo_nodes={self.dfpo_nodes!r}; valid: {NODE_KINDS}")
-        if self.dfpo_scope not in SCOPES:
-            raise ValueError(f"GradlabConfig: unknown dfpo_scope={self.dfpo_scope!r}; valid: {SCOPES}")
-        if self.every < 1:
-            raise ValueError(f"GradlabConfig: every must be ≥ 1, got {self.every}")
+        for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
+                            ("dfpo_scope", SCOPES), ("every", range(1, 1 << 30))):
+            if getattr(self, name) not in valid:
+                shown = "≥ 1" if name == "every" else valid
+                raise ValueError(f"GradlabConfig: {name}={getattr(self, name)!r}; valid: {shown}")
 
 
 @dataclass
@@ -261,12 +254,7 @@ class GradlabMixin:
         if path is None or not self.accelerator.is_main_process:
             return None
         path = os.path.join(self.args.output_dir, "gradlab") if path == "auto" else path
-        a = self.args
-        trl_cfg = {k: getattr(a, k, None) for k in (
-            "loss_type", "importance_sampling_level", "steps_per_generation", "num_iterations",
-            "gradient_accumulation_steps", "per_device_train_batch_size", "num_generations",
-            "epsilon", "epsilon_high", "beta", "learning_rate", "seed", "max_completion_length",
-            "scale_rewards", "temperature")}
+        trl_cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str))}
         return RunStore(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
                                "objective": self._gl_label()})
 
@@ -422,22 +410,17 @@ class GradlabMixin:
                       iteration=(parts[0]["micro"] // spg) % self.num_iterations)
 
     def _gl_gather(self, t: dict, gen: dict) -> dict:
-        """Data parallelism: rows of all processes, rank-major (= the global sampler order),
-        groups reconstructed again on the gathered prompts (a group may straddle ranks).
-        Not exercised by the tests (single process here)."""
+        """Data parallelism: rows of all processes, rank-major (= the global sampler order);
+        groups reconstructed on the gathered prompts. Untested here (single process)."""
         acc = self.accelerator
-        out = {}
-        for k, v in t.items():
-            if v is not None and k != "group":
-                v = v.long() if v.dtype == torch.bool else v
-                v = acc.pad_across_processes(v, dim=1) if v.dim() == 2 else v
-                out[k] = acc.gather(v)
-            else:
-                out[k] = v
-        pids = acc.gather(acc.pad_across_processes(gen["prompt_ids"], dim=1, pad_first=True))
-        pmask = acc.gather(acc.pad_across_processes(gen["prompt_mask"], dim=1, pad_first=True))
-        out["group"] = reconstruct_groups(pids, pmask, self.num_generations)
-        out["mask"] = out["mask"].bool()
+
+        def g(v: Tensor, left: bool = False) -> Tensor:
+            v = v.long() if v.dtype == torch.bool else v
+            return acc.gather(acc.pad_across_processes(v, dim=1, pad_first=left) if v.dim() == 2 else v)
+
+        out = {k: (g(v) if v is not None and k != "group" else v) for k, v in t.items()}
+        out["group"] = reconstruct_groups(g(gen["prompt_ids"], True), g(gen["prompt_mask"], True),
+                                          self.num_generations)
         return out
 
 

@@ -104,8 +104,9 @@ def grpo_args(loss_type: str, level: str, spg: int, steps: int, out_dir: str, *,
 
 
 def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = True,
-                 n_prompts: int = 64):
-    """A (Gradlab)GRPOTrainer on the shipped tiny policy and its char tokenizer, quiet."""
+                 n_prompts: int = 64, cls: type | None = None):
+    """A GradlabGRPOTrainer (or `cls`; plain GRPOTrainer when not instrumented) on the shipped
+    tiny policy and its char tokenizer, with TRL's per-step printing off."""
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
@@ -114,8 +115,11 @@ def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = Tr
 
     model, tok = load_policy()
     ds, reward = dataset_and_reward(workload, n_prompts, seed=args.seed)
-    kw = dict(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
-    tr = GradlabGRPOTrainer(**kw, gradlab=gradlab) if instrumented else GRPOTrainer(**kw)
+    kw = {"model": model, "reward_funcs": reward, "args": args, "train_dataset": ds, "processing_class": tok}
+    if instrumented:
+        tr = (cls or GradlabGRPOTrainer)(**kw, gradlab=gradlab)
+    else:
+        tr = GRPOTrainer(**kw)
     tr.remove_callback(PrinterCallback)
     return tr
 
@@ -123,8 +127,12 @@ def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = Tr
 @contextlib.contextmanager
 def quiet():
     """Silence TRL / transformers warnings and info logs."""
+    from transformers.utils import logging as hf_logging
+
     loggers = [logging.getLogger(n) for n in ("transformers", "trl", "accelerate", "datasets")]
     levels = [lg.level for lg in loggers]
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of from_pretrained
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for lg in loggers:
@@ -134,6 +142,8 @@ def quiet():
         finally:
             for lg, lv in zip(loggers, levels):
                 lg.setLevel(lv)
+            if bars:
+                hf_logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -178,10 +188,12 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
             att = attribution(objective, w.batch, "prefix")
             for k in shares:
                 shares[k] += att[k] * att["residual"]
-    r = lambda a, b: acc[a] / acc[b] if acc[b] > 0 else 0.0  # noqa: E731
+    r = lambda a, b: acc[a] / acc[b] if acc[b] > 0 else 0.0
     out = {"rho": r("res", "mass"), "rho_trie": r("res_trie", "mass_trie"),
-           "rho_step": r("res_step", "mass"), "split": sum(split) / max(len(split), 1),
-           "split_attr": (acc["res_step"] - acc["res"]) / acc["res_step"] if acc["res_step"] > 0 else 0.0}
+           "rho_step": r("res_step", "mass"), "split": sum(split) / max(len(split), 1)}
+    # Share of the per-step residual that splitting adds; 0 when there is (numerically) none.
+    real = acc["res_step"] > 1e-6 * acc["mass"]
+    out["split_attr"] = (acc["res_step"] - acc["res"]) / acc["res_step"] if real else 0.0
     if objective is not None:
         out["rho_closed_form"] = r("res_cf", "mass_cf")
         out.update({f"attr_{k}": v / acc["res_cf"] if acc["res_cf"] > 0 else 0.0
@@ -249,10 +261,10 @@ def to_markdown(df: pd.DataFrame, command: str) -> str:
         on = d[d.policy == "on"].set_index(key[1:])
         off = d[d.policy == "off"].set_index(key[1:])
         out += [f"**Workload `{wl}`** — {WORKLOADS[wl].about}.", "",
-                "| loss_type | IS level | DFPO | ρ full-group, on-policy | ρ trie, on-policy "
+                ("| loss_type | IS level | DFPO | ρ full-group, on-policy | ρ trie, on-policy "
                 "| ρ full-group, off-policy | ρ per optimizer step, off | split groups, off "
                 "| closed-form ρ, off | attribution off: coupling / length / clip "
-                "| split's share of the per-step residual |",
+                "| split's share of the per-step residual |"),
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for idx in on.index:
             a, b = on.loc[idx], off.loc[idx]

@@ -6,7 +6,7 @@
 - `node_drift`, `kl_rows`, `entropy`, `equal_solution_logodds`: drift and collapse figures.
 """
 
-from .drift import entropy, equal_solution_logodds, kl_rows, node_drift
+from .drift import entropy, equal_solution_logodds, kl_rows, node_drift, shared_drift
 from .modulation import ModulationProbe, Schedule
 from .tax import group_of, layer_groups, learning_tax
 from .transform import DFPOGradientTransform

@@ -70,6 +70,15 @@ def node_drift(logp_before: Tensor, logp_after: Tensor, batch: TokenBatch,
     return out
 
 
+def shared_drift(logp_before: Tensor, logp_after: Tensor, token: Tensor) -> dict[str, Tensor]:
+    """The node part of `node_drift` from the (N, V) distributions at the N nodes' contexts
+    and their shared tokens (N,): node_dlogp_sum, node_kl_sum, node_count (0-dim tensors)."""
+    tok = token.long().unsqueeze(-1)
+    dlogp = (logp_after.gather(-1, tok) - logp_before.gather(-1, tok)).squeeze(-1)
+    return {"node_dlogp_sum": dlogp.sum(), "node_kl_sum": kl_rows(logp_before, logp_after).sum(),
+            "node_count": torch.tensor(token.numel())}
+
+
 def equal_solution_logodds(logp_a: Tensor, logp_b: Tensor) -> tuple[Tensor, Tensor]:
     """Log-odds and binary entropy between two equally correct solutions (MATH.md §4, Cor. 3.2).
 

@@ -1,0 +1,109 @@
+"""Benchmark: the instrumented optimizer step of the loop against the bare step.
+
+    python analyses/bench_probes.py                 # tiny policy and a ~25M Qwen3, 64×8 × 128
+    python analyses/bench_probes.py --quick         # small sizes (used by the tests)
+
+Same batch, same objective (GSPO), same model, measured side by side and interleaved:
+  bare   forward → loss → backward → clip → AdamW step (what a trainer does)
+  cheap  + hook-measured W, W deviation from closed form, residuals at prefix and trie nodes,
+         entropy, drift at the step's shared nodes (gradlab's every-step tier)
+  heavy  + parameter-space tax g_tax (one extra backward), mechanism attribution, drift at
+         every position (the scheduled tier, `--tax-every`)
+Prints medians (s) and the ratios to bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import gradlab
+from gradlab import objectives
+from gradlab.config import RunConfig
+from gradlab.dist import Dist
+from gradlab.metrics import StepMetrics
+from gradlab.policy import build_tokenizer, load_policy, n_params, new_model
+from gradlab.rollout import Rollout, token_logps
+from gradlab.train import Learner, optimizer_step
+
+
+def make_rollout(vocab: int, groups: int, G: int, T: int, seed: int = 0) -> Rollout:
+    """Right-padded responses: a 16-token shared template, then binary branching (a deep trie)."""
+    g = torch.Generator().manual_seed(seed)
+    N = groups * G
+    group = torch.arange(groups).repeat_interleave(G)
+    prompt = torch.randint(3, vocab, (groups, 8), generator=g)[group]
+    resp = torch.randint(3, 5, (N, T), generator=g)
+    resp[:, :16] = torch.randint(3, vocab, (groups, 16), generator=g)[group]
+    lengths = torch.randint(T // 2, T + 1, (N,), generator=g)
+    mask = torch.arange(T) < lengths[:, None]
+    return Rollout(prompt, torch.ones_like(prompt, dtype=torch.bool), resp.masked_fill(~mask, 0),
+                   mask, torch.zeros(N, T), group, [""] * N, [None] * N)
+
+
+def bare_step(L: Learner, ro: Rollout, adv: torch.Tensor) -> None:
+    logps = token_logps(L.model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+    b = gradlab.TokenBatch(ro.response_ids, ro.response_mask, logps, ro.old_logps, adv, ro.group,
+                           validate=False)
+    L.objective.loss(b).backward()
+    torch.nn.utils.clip_grad_norm_(L.model.parameters(), 1.0)
+    L.opt.step()
+    L.opt.zero_grad(set_to_none=True)
+
+
+def bench(model, groups: int, G: int, T: int, repeats: int) -> dict[str, float]:
+    vocab = model.config.vocab_size
+    ro = make_rollout(vocab, groups, G, T)
+    with torch.no_grad():  # behaviour log-probs a little off the current policy
+        ro.old_logps = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
+                                   ro.response_mask) + 0.05 * torch.randn(ro.response_ids.shape)
+    adv = gradlab.advantages(torch.randint(0, 2, (ro.group.numel(),)).float(), ro.group)
+    L = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
+                torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
+    cfg = RunConfig(progress=False, drift=True)
+    rows = torch.arange(ro.group.numel())
+    tiers = {
+        "bare": lambda: bare_step(L, ro, adv),
+        "cheap": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist()),
+        "heavy": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), True, [], Dist()),
+    }
+    times: dict[str, list[float]] = {k: [] for k in tiers}
+    for fn in tiers.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for k, fn in tiers.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--T", type=int, default=128)
+    ap.add_argument("--models", default="tiny,25m")
+    a = ap.parse_args()
+    if a.quick:
+        a.groups, a.G, a.T, a.repeats = 4, 4, 32, 2
+    tok = build_tokenizer()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {a.groups}×{a.G} "
+          f"sequences × {a.T} response tokens; medians of {a.repeats}")
+    print("| model | params | bare (s) | cheap (s) | heavy (s) | cheap / bare | heavy / bare |")
+    print("|---|---|---|---|---|---|---|")
+    for name in a.models.split(","):
+        model = load_policy()[0] if name == "tiny" else new_model(tok, name)
+        model.train()
+        t = bench(model, a.groups, a.G, a.T, a.repeats)
+        print(f"| {name} | {n_params(model) / 1e6:.2f} M | {t['bare']:.3f} | {t['cheap']:.3f} | "
+              f"{t['heavy']:.3f} | {t['cheap'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""TRL integration: W measured on GRPOTrainer's own loss, groups, cancellation, DFPO drop-in, audit.
+
+Real (tiny, CPU, offline) TRL runs: 4 prompts × G = 8 per generation batch, a few steps each.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from trl import GRPOTrainer
+
+import gradlab
+from gradlab import objectives
+from gradlab.batch import TokenBatch
+from gradlab.integrations import trl_audit
+from gradlab.integrations.trl import (
+    GROUP_KEY,
+    ROW_KEY,
+    GradlabConfig,
+    GradlabGRPOTrainer,
+    reconstruct_groups,
+)
+from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, pool_windows, quiet
+
+G = 8
+
+
+class Capturing(GradlabGRPOTrainer):
+    """Keeps (model state, inputs) of every training loss call, taken before its backward."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.captured = []
+        super().__init__(*args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        if model.training:
+            self.captured.append((copy.deepcopy(model.state_dict()), dict(inputs)))
+        return super()._compute_loss(model, inputs)
+
+
+def run(tmp_path, loss_type="dr_grpo", level="token", spg=1, gens=2, workload="arithmetic",
+        cls=GradlabGRPOTrainer, gl=None, **extra):
+    """Train `gens` generation batches of `spg` optimizer steps; returns the trainer."""
+    with quiet():
+        args = grpo_args(loss_type, level, spg, gens * spg, str(tmp_path / "out"), **extra)
+        gl = gl or GradlabConfig(store=str(tmp_path / "store"), keep_windows=True)
+        tr = trl_audit.make_trainer(args, WORKLOADS[workload], gl, cls=cls)
+        tr.train()
+    return tr
+
+
+def trl_autograd_W(tr, state: dict, inputs: dict) -> torch.Tensor:
+    """−∂loss/∂logps of TRL's own `_compute_loss`, by torch.autograd.grad (no hooks)."""
+    model = copy.deepcopy(tr.model)
+    model.load_state_dict(state)
+    got = {}
+
+    def spy(*a, **k):  # keeps the grad-carrying log-probs the loss is built from
+        out = GRPOTrainer._get_per_token_logps_and_entropies(tr, *a, **k)
+        if out[0].requires_grad and "lp" not in got:
+            got["lp"] = out[0]
+        return out
+
+    tr._get_per_token_logps_and_entropies = spy
+    try:
+        loss = GRPOTrainer._compute_loss(tr, model, inputs)
+    finally:
+        del tr._get_per_token_logps_and_entropies
+    return -torch.autograd.grad(loss, got["lp"])[0]
+
+
+def test_hook_W_is_the_gradient_of_trls_loss(tmp_path):
+    # Sequence-level IS, 2 optimizer steps per generation: the 2nd call is off-policy (s_i ≠ 1).
+    tr = run(tmp_path, "grpo", "sequence", spg=2, gens=1, cls=Capturing, lr=3e-3)
+    w = tr.gradlab_window
+    assert len(tr.captured) == 2 and w is not None
+    gspo = objectives.get("gspo", eps=(tr.args.epsilon, tr.args.epsilon_high))
+    for state, inputs in tr.captured:
+        rows = inputs[ROW_KEY]
+        W_ref = trl_autograd_W(tr, state, inputs)
+        assert W_ref.abs().max() > 0
+        torch.testing.assert_close(w.W[rows], W_ref, rtol=1e-5, atol=1e-9)
+        # and gradlab's closed form (GSPO) on the same rows agrees with both
+        b = TokenBatch(tokens=w.batch.tokens[rows], mask=w.batch.mask[rows],
+                       logps=w.batch.logps[rows], old_logps=w.batch.old_logps[rows],
+                       advantages=w.batch.advantages[rows], group=w.batch.group[rows])
+        torch.testing.assert_close(gspo.modulation(b), W_ref, rtol=1e-4, atol=1e-8)
+    assert not torch.equal(w.batch.logps, w.batch.old_logps)  # really off-policy
+
+
+def test_reconstructed_groups_are_the_true_groups(tmp_path):
+    # Unit: runs of equal prompts, cut every G rows (a prompt drawn twice gives two groups).
+    ids = torch.tensor([[0, 5], [0, 5], [7, 5], [7, 5], [7, 5], [7, 5], [0, 5], [0, 5]])
+    mask = torch.tensor([[0, 1], [0, 1], [1, 1], [1, 1], [1, 1], [1, 1], [0, 1], [0, 1]])
+    assert reconstruct_groups(ids, mask, 2).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    # Real run, off-policy (TRL shuffles rows over 4 optimizer steps): RepeatSampler's layout
+    # puts row r of the generation batch in group r // G; our labels must be exactly that.
+    tr = run(tmp_path, "dapo", "token", spg=4, gens=2)
+    for w in tr.gradlab_windows:
+        B = w.batch.tokens.shape[0]
+        assert torch.equal(w.batch.group, torch.arange(B) // G)
+        sums = torch.zeros(B // G).index_add_(0, w.batch.group, w.batch.advantages)
+        assert sums.abs().max() < 1e-4  # Σ A = 0 in every group
+        assert w.metrics["split_groups"] > 0  # TRL's shuffle spreads groups over the steps
+    # the group tag travelled with the rows through TRL's shuffle and split
+    prompts = tr._gl_gen["prompt_ids"]
+    for g in range(B // G):
+        assert (prompts[w.batch.group == g] == prompts[w.batch.group == g][0]).all()
+
+
+def test_dr_grpo_on_policy_cancels_and_logs(tmp_path):
+    tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=3)
+    pooled = pool_windows(tr.gradlab_windows)
+    assert pooled["rho"] < 1e-5 and pooled["rho_trie"] < 1e-5
+    assert all(w.metrics["nodes_prefix"] > 0 for w in tr.gradlab_windows)
+    # metrics in TRL's own logs and in a run store that load_run reads
+    assert any("gradlab/rho_prefix" in h for h in tr.state.log_history)
+    df = gradlab.load_run(tmp_path / "store")
+    rho = df[df.metric == "rho_prefix"]
+    assert len(rho) == 3 and rho.value.max() < 1e-5
+    assert set(df.objective) == {"trl-dr_grpo-token"}
+
+
+def test_grpo_with_unequal_lengths_does_not_cancel(tmp_path):
+    tr = run(tmp_path, "grpo", "token", spg=1, gens=3, workload="lengths")
+    pooled = pool_windows(tr.gradlab_windows, trl_audit.closed_form("grpo", "token", tr.args))
+    assert pooled["rho"] > 1e-3
+    assert pooled["attr_length"] == pytest.approx(1.0)  # on-policy: all of it is 1/T_i
+    assert pooled["rho_closed_form"] == pytest.approx(pooled["rho"], rel=1e-3)
+
+
+def test_sequence_is_off_policy_does_not_cancel(tmp_path):
+    tr = run(tmp_path, "grpo", "sequence", spg=4, gens=1, lr=3e-3)
+    pooled = pool_windows(tr.gradlab_windows)
+    assert pooled["rho"] > 0.05 and pooled["rho_step"] >= pooled["rho"] - 1e-9
+    assert pooled["split"] > 0
+
+
+def test_dfpo_drop_in_cancels_with_groups_whole(tmp_path):
+    gl = GradlabConfig(store=None, dfpo="orth", keep_windows=True)
+    tr = run(tmp_path, "grpo", "sequence", spg=4, gens=1, lr=3e-3, gl=gl)
+    w = tr.gradlab_window
+    assert w.metrics["rho_prefix"] < 1e-5 and w.metrics["rho_prefix_step"] < 1e-5
+    assert w.metrics["rho_prefix_base"] > 0.01  # the base (GSPO) gradient did not cancel
+    assert w.metrics["split_groups_micro"] == 0  # every loss call held whole groups
+    assert torch.equal(w.batch.group, torch.arange(w.batch.tokens.shape[0]) // G)
+
+
+def test_dfpo_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        run(tmp_path, "grpo", "sequence", spg=4, gens=1, prompts=3,
+            gl=GradlabConfig(store=None, dfpo="min"))  # 24 rows / 4 steps = 6 < G
+    with pytest.raises(ValueError, match="beta"):
+        run(tmp_path, "grpo", "token", beta=0.1, gl=GradlabConfig(store=None, dfpo="min"))
+    with pytest.raises(ValueError, match="dfpo"):
+        GradlabConfig(dfpo="max")
+
+
+class RowShuffled(GradlabGRPOTrainer):
+    """DFPO on, but TRL's own row shuffle kept: groups get cut across loss calls."""
+
+    def _prepare_inputs(self, generation_batch):
+        return GRPOTrainer._prepare_inputs(self, generation_batch)
+
+
+def test_dfpo_refuses_a_group_cut_across_loss_calls(tmp_path):
+    with pytest.raises(ValueError, match="whole in one loss call"):
+        run(tmp_path, "grpo", "sequence", spg=4, gens=1, cls=RowShuffled,
+            gl=GradlabConfig(store=None, dfpo="orth"))
+
+
+def test_instrumentation_does_not_change_training(tmp_path):
+    finals = []
+    for instrumented in (False, True):
+        with quiet():
+            args = grpo_args("dapo", "token", 2, 4, str(tmp_path / f"o{instrumented}"))
+            tr = trl_audit.make_trainer(args, WORKLOADS["arithmetic"],
+                                        GradlabConfig(store=None), instrumented=instrumented)
+            tr.train()
+        finals.append({k: v.detach().clone() for k, v in tr.model.state_dict().items()})
+    for k in finals[0]:
+        torch.testing.assert_close(finals[0][k], finals[1][k], rtol=0, atol=0)
+
+
+def test_group_tag_is_a_row_tensor(tmp_path):
+    tr = run(tmp_path, "dapo", "token", spg=2, gens=1)
+    buf = tr._buffered_inputs
+    assert all(GROUP_KEY in b and b[GROUP_KEY].shape == b["advantages"].shape for b in buf)
+
+
+def test_audit_quick_end_to_end(tmp_path, capsys):
+    from gradlab.cli import main
+
+    assert main(["audit", "trl", "--quick", "--out", str(tmp_path)]) == 0
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "trl_audit.csv")
+    assert len(df) == 6 and {"rho", "rho_step", "split"} <= set(df.columns)
+    dfpo = df[df.dfpo == "orth"]
+    assert (dfpo.rho < 1e-5).all()
+    assert df[(df.loss_type == "dr_grpo") & (df.policy == "on")].rho.iloc[0] < 1e-5
+    assert "| loss_type |" in (tmp_path / "trl_audit.md").read_text()
