@@ -9,12 +9,12 @@ both objectives; the difference is paired by seed.
 Score: held-out accuracy of each objective's final policy (`evaluate`: `--eval-n` fresh problems,
 one sample each at temperature 1 — the analogue of the paper's avg@k), and the training
 accuracy of the last 5 rollout steps. Mean and 95 % percentile-bootstrap interval over seeds
-(with 3 seeds the interval is crude). Printed as markdown next to the paper's numbers (Qwen3-32B,
+(with few seeds the interval is crude). Printed as markdown next to the paper's numbers (Qwen3-32B,
 AIME25 / LiveCodeBench / HMMT25 — a trend to compare with, not a target at this scale) and
 written to <out>/ablations.md and <out>/ablations.csv (one row per table, row label, G, seed,
 objective, metric, value).
 
-    python analyses/ablations.py            # full: 3 seeds, 40 steps × 8 prompts, G=8 (T2)
+    python analyses/ablations.py            # full: 5 seeds, 150 steps × 8 prompts, G=8 (T2)
     python analyses/ablations.py --quick    # seconds: runs/ablations-quick, for tests
 """
 
@@ -28,11 +28,19 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pandas as pd  # noqa: E402
+import pandas as pd
 
-from analyses.common import (  # noqa: E402
-    FIGURES, QUICK, ROOT, bootstrap_ci, final_accuracy, fmt_ci, load_seeds, run_seeds,
-    set_threads)
+from analyses.common import (
+    FIGURES,
+    QUICK,
+    ROOT,
+    bootstrap_ci,
+    final_accuracy,
+    fmt_ci,
+    load_seeds,
+    run_seeds,
+    set_threads,
+)
 
 # objective name in the run → (row label, objective_params)
 TABLE2 = {"dfpo-min": ("DFPO (Min-Replace)", {}), "gspo": ("GSPO (baseline)", {}),
@@ -42,7 +50,7 @@ PAPER2 = {"DFPO (Min-Replace)": "82.5 / 71.6 / 61.4", "GSPO (baseline)": "76.9 /
           "DFPO (no stop-grad)": "75.6 / 63.8 / 54.9", "DFPO (scale by 0.5)": "75.1 / 63.2 / 54.1"}
 PAPER3 = {2: 3.1, 4: 4.2, 8: 5.6, 16: 5.7}
 GROUP_SIZES = (2, 4, 8, 16)
-FULL = dict(steps=40, prompts=8, G=8, minibatches=4, tax_every=0, progress=True)
+FULL = dict(steps=150, prompts=8, G=8, minibatches=4, tax_every=0, progress=True)
 
 
 def scores(root: Path, seeds, names, eval_n: int) -> pd.DataFrame:
@@ -97,13 +105,14 @@ def table3(root: Path, seeds, size: dict, eval_n: int, Gs) -> tuple[pd.DataFrame
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny runs (seconds), for tests")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, help="number of seeds 0..n-1 (default 5; quick: 2)")
     p.add_argument("--runs", help="default runs/ablations (quick: runs/ablations-quick)")
     p.add_argument("--out", help="folder for ablations.md/.csv (default figures/; quick: runs)")
     p.add_argument("--eval-n", type=int, help="held-out problems per policy (default 256)")
     p.add_argument("--only", choices=("table2", "table3"))
     a = p.parse_args(argv)
     set_threads(1)
+    a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
     eval_n = a.eval_n or (16 if a.quick else 256)
     runs = Path(a.runs or ROOT / ("runs/ablations-quick" if a.quick else "runs/ablations"))

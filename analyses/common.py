@@ -20,8 +20,8 @@ FIGURES = ROOT / "figures"
 if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, not the root
     sys.path.insert(0, str(ROOT))
 
-from gradlab.config import RunConfig  # noqa: E402
-from gradlab.store import load_run  # noqa: E402
+from gradlab.config import RunConfig
+from gradlab.store import load_run
 
 # Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
 QUICK = dict(steps=2, prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=1,
@@ -36,22 +36,32 @@ def set_threads(n: int = 1) -> None:
 def run_seeds(root: str | Path, seeds, **cfg) -> Path:
     """Train `RunConfig(out=root/seed{k}, seed=k, **cfg)` for each seed; returns root.
 
-    A seed whose folder already holds a finished run (final checkpoint at `steps`) is reused,
-    one with a checkpoint is resumed, anything else is wiped and trained from scratch (the run
-    store appends, so a half-written folder must not be trained into again).
+    A seed whose folder already holds a finished run of the same configuration (final
+    checkpoint at `steps`) is reused, one with a checkpoint is resumed, anything else (another
+    configuration, no checkpoint) is wiped and trained from scratch: the run store appends, so
+    a folder must never be trained into twice.
     """
     from gradlab.train import train
 
     root = Path(root)
     for k in seeds:
         c = RunConfig(out=str(root / f"seed{k}"), seed=k, **cfg)
-        state = _final_step(Path(c.out), c.objectives)
+        state = _final_step(Path(c.out), c.objectives) if _same_config(c) else None
         if state == c.steps:
             continue
         if state is None and Path(c.out).exists():
             shutil.rmtree(c.out)
         train(c, resume=state is not None)
     return root
+
+
+def _same_config(c: RunConfig) -> bool:
+    f = Path(c.out) / "config.json"
+    if not f.exists():
+        return False
+    old, new = RunConfig.from_json(f).to_json(), c.to_json()
+    old.pop("progress"), new.pop("progress")
+    return old == new
 
 
 def _final_step(run: Path, names: list[str]) -> int | None:
@@ -133,3 +143,59 @@ def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 77
 
     model, tok, task, _ = load_run_policy(run, objective)
     return evaluate(model, tok, task, n=n, seed=seed)["accuracy"]
+
+
+# ----------------------------------------------------------------------------- notebooks
+
+
+def tiny_run(path: str | Path, objectives=("grpo", "gspo", "dfpo-min", "dfpo-orth"),
+             steps: int = 3) -> Path:
+    """A tiny tandem run (seconds) for notebooks without $GRADLAB_RUN; reused if present."""
+    from gradlab.train import train
+
+    path = Path(path)
+    if not (path / "metrics.jsonl").exists():
+        train(RunConfig(out=str(path), objectives=list(objectives),
+                        **{**QUICK, "steps": steps, "ckpt_every": steps}))
+    return path
+
+
+def first_run(path: str | Path) -> Path:
+    """`path` if it is a run folder, else its first sub-folder that is one (a seeds folder)."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    runs = sorted(p.parent for p in path.glob("*/config.json"))
+    if not runs:
+        raise FileNotFoundError(f"no run folder (config.json) at or under {path}")
+    return runs[0]
+
+
+def rollout_from_samples(run: str | Path, objective: str, step: int, model, tok):
+    """The group logged in samples.jsonl at (objective, step), re-encoded as a `Rollout` whose
+    old_logps are `model`'s (so a measurement under `model` is on-policy). Responses get EOS
+    appended (a truncated response gains one). Returns (rollout, advantages (G,))."""
+    import json
+
+    from gradlab.batch import advantages
+    from gradlab.policy import encode_pairs
+    from gradlab.rollout import Rollout, token_logps
+    from gradlab.task import Problem
+
+    recs = [json.loads(x) for x in (Path(run) / "samples.jsonl").read_text().splitlines() if x]
+    rec = next(r for r in recs if r["objective"] == objective and r["step"] == step)
+    G = len(rec["responses"])
+    pi, pm, ri, rm = encode_pairs(tok, [rec["prompt"]] * G, rec["responses"])
+    with torch.no_grad():
+        old = token_logps(model, pi, pm, ri, rm)
+    ro = Rollout(pi, pm, ri, rm, old, torch.zeros(G, dtype=torch.long), rec["responses"],
+                 [Problem(rec["prompt"], "")] * G, rewards=torch.tensor(rec["rewards"]))
+    return ro, advantages(ro.rewards, ro.group)
+
+
+def mixed_steps(run: str | Path, objective: str) -> list[int]:
+    """Steps whose logged group (samples.jsonl) has unequal rewards, i.e. a non-zero W."""
+    import json
+
+    recs = [json.loads(x) for x in (Path(run) / "samples.jsonl").read_text().splitlines() if x]
+    return [r["step"] for r in recs if r["objective"] == objective and len(set(r["rewards"])) > 1]

@@ -30,21 +30,21 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
 
-from analyses.common import FIGURES, set_threads  # noqa: E402
-from gradlab import objectives  # noqa: E402
-from gradlab.batch import advantages  # noqa: E402
-from gradlab.cancellation import cancellation  # noqa: E402
-from gradlab.nodes import shared_nodes  # noqa: E402
-from gradlab.rollout import generate  # noqa: E402
-from gradlab.testing import measure_on_model, optimizer_step_on  # noqa: E402
+from analyses.common import FIGURES, set_threads
+from gradlab import objectives
+from gradlab.batch import advantages
+from gradlab.cancellation import cancellation
+from gradlab.nodes import shared_nodes
+from gradlab.rollout import generate
+from gradlab.testing import measure_on_model, optimizer_step_on
 
 PANELS = [  # (title, objective name, parameters)
     ("(a) GRPO, constant normalisation", "grpo", {"norm": "const"}),
@@ -84,6 +84,45 @@ def pick_group(W_grpo: torch.Tensor, batch, ro, rows: torch.Tensor) -> int:
                      "and no GRPO clip; try another --seed or a larger --prompts")
 
 
+def measure_panels(stepped, ro, rows: torch.Tensor, adv: torch.Tensor, panels=PANELS):
+    """Hook-measured W of each panel's loss on `rows` of rollout `ro` under policy `stepped`.
+
+    Returns (W {title: (R, T) float32}, clip fraction {title: float}, the TokenBatch).
+    """
+    Ws, clips = {}, {}
+    for title, name, params in panels:
+        obj = objectives.get(name, **params)
+        Ws[title], batch = measure_on_model(stepped, ro, rows, adv, obj.loss)
+        clips[title] = float(obj.stats(batch)["clip_frac"])
+    return Ws, clips, batch
+
+
+def token_frame(tok, ro, rows, batch, Ws: dict, clips: dict, g: int,
+                panels=PANELS) -> pd.DataFrame:
+    """The figure2.csv frame (module docstring) of group label g of `batch`; attrs carry ρ of
+    the group per panel and the prompt."""
+    keep = (batch.group == g).nonzero()[:, 0]
+    full = shared_nodes(batch, "prefix").node >= 0
+    trie = shared_nodes(batch, "trie").node >= 0
+    recs = []
+    for title, name, _ in panels:
+        for i, r in enumerate(keep.tolist()):
+            for t in range(int(batch.mask[r].sum())):
+                tid = int(batch.tokens[r, t])
+                recs.append({
+                    "panel": title, "objective": name, "row": i, "position": t,
+                    "token_id": tid, "char": _char(tok, tid),
+                    "shared": "full" if full[r, t] else "subset" if trie[r, t] else "none",
+                    "W": float(Ws[title][r, t]), "advantage": float(batch.advantages[r]),
+                    "reward": float(ro.rewards[rows[r]]), "text": ro.texts[int(rows[r])],
+                    "clip_frac": clips[title]})
+    df = pd.DataFrame(recs)
+    df.attrs["rho"] = {t: cancellation(Ws[t][keep], _sub(batch, keep), "prefix").ratio
+                       for t, _, _ in panels}
+    df.attrs["prompt"] = ro.problems[int(rows[keep[0]])].prompt
+    return df
+
+
 def measure(model, tok, task, prompts: int = 8, G: int = 4, seed: int = 0,
             lr: float = 2e-4) -> pd.DataFrame:
     """Measured W of every panel's loss on one real off-policy minibatch, for one group.
@@ -92,33 +131,9 @@ def measure(model, tok, task, prompts: int = 8, G: int = 4, seed: int = 0,
     log-prob, in each loss's own scale (1/B factors included, B = the minibatch's rows).
     """
     stepped, ro, adv, rows = off_policy_step(model, tok, task, prompts, G, seed, lr)
-    Ws = {}
-    for title, name, params in PANELS:
-        obj = objectives.get(name, **params)
-        Ws[title], batch = measure_on_model(stepped, ro, rows, adv, obj.loss)
-        Ws[title + "/clip"] = obj.stats(batch)["clip_frac"]
+    Ws, clips, batch = measure_panels(stepped, ro, rows, adv)
     g = pick_group(Ws[PANELS[0][0]], batch, ro, rows)
-    keep = (batch.group == g).nonzero()[:, 0]
-    full = shared_nodes(batch, "prefix").node >= 0
-    trie = shared_nodes(batch, "trie").node >= 0
-    recs = []
-    for title, name, params in PANELS:
-        W = Ws[title]
-        for i, r in enumerate(keep.tolist()):
-            for t in range(int(batch.mask[r].sum())):
-                tid = int(batch.tokens[r, t])
-                recs.append({
-                    "panel": title, "objective": name, "row": i, "position": t,
-                    "token_id": tid, "char": _char(tok, tid),
-                    "shared": "full" if full[r, t] else "subset" if trie[r, t] else "none",
-                    "W": float(W[r, t]), "advantage": float(batch.advantages[r]),
-                    "reward": float(ro.rewards[rows[r]]), "text": ro.texts[int(rows[r])],
-                    "clip_frac": float(Ws[title + "/clip"])})
-    df = pd.DataFrame(recs)
-    df.attrs["rho"] = {t: cancellation(Ws[t][keep], _sub(batch, keep), "prefix").ratio
-                       for t, _, _ in PANELS}
-    df.attrs["prompt"] = ro.problems[int(rows[keep[0]])].prompt
-    return df
+    return token_frame(tok, ro, rows, batch, Ws, clips, g)
 
 
 def _sub(batch, keep):

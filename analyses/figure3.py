@@ -14,7 +14,7 @@ token counts) and draws mean and 95 % bootstrap band over seeds with
   figure3.csv              the tidy table behind both (raw, before interpolation)
   and a markdown table: last-5-steps accuracy per objective, mean [95 % bootstrap] over seeds.
 
-    python analyses/figure3.py                 # full: 3 seeds × 40 steps × 8 prompts × G=8
+    python analyses/figure3.py                 # full: 5 seeds × 150 steps × 8 prompts × G=8
     python analyses/figure3.py --quick         # seconds: runs/figure3-quick, for tests
 Finished seed folders are reused (delete runs/figure3 to retrain).
 """
@@ -29,14 +29,23 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pandas as pd  # noqa: E402
+import pandas as pd
 
-from analyses.common import (  # noqa: E402
-    FIGURES, QUICK, ROOT, align_tokens, bootstrap_ci, fmt_ci, load_seeds, run_seeds, set_threads)
-from gradlab import plots  # noqa: E402
+from analyses.common import (
+    FIGURES,
+    QUICK,
+    ROOT,
+    align_tokens,
+    bootstrap_ci,
+    fmt_ci,
+    load_seeds,
+    run_seeds,
+    set_threads,
+)
+from gradlab import plots
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo", "grpo"]
-FULL = dict(steps=40, prompts=8, G=8, minibatches=4, tax_every=5, progress=True)
+FULL = dict(steps=150, prompts=8, G=8, minibatches=4, tax_every=5, progress=True)
 MAIN = [("accuracy", "accuracy (training samples, temperature 1)"),
         ("reward", "reward")]
 BEYOND = [("rho_prefix", "cancellation ratio ρ, full-group nodes"),
@@ -76,13 +85,13 @@ def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFr
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny runs (seconds), for tests")
-    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..n-1), ≥ 3 for the "
-                                                        "figure")
+    p.add_argument("--seeds", type=int, help="number of seeds 0..n-1 (default 5; quick: 2)")
     p.add_argument("--runs", help="run folders (default runs/figure3, quick: runs/figure3-quick)")
     p.add_argument("--out", help="output folder (default figures/, quick: the runs folder)")
     p.add_argument("--steps", type=int, help="override the rollout steps")
     a = p.parse_args(argv)
     set_threads(1)
+    a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
     if a.steps:
         size["steps"] = a.steps

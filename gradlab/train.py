@@ -85,8 +85,9 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
                    others: list[objectives.Objective], D: Dist) -> None:
     """One optimizer step of learner L on rows of the rollout, with the probes."""
     # normalisers use the global minibatch's totals (identical to the local ones in one process)
-    tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())]))
-    width = int(D.max(torch.tensor(ro.response_ids.shape[1])))
+    dev = ro.group.device  # nccl reduces CUDA tensors only
+    tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())], device=dev))
+    width = int(D.max(torch.tensor(ro.response_ids.shape[1], device=dev)))
     if rows.numel() == 0:  # none of this step's groups are on this rank
         return _idle_step(L, cfg, ro, acc, heavy, D)
     t0 = time.perf_counter()

@@ -100,7 +100,7 @@ def test_baseline_max_and_mean_drift(tmp_path, capsys):
     assert check.main(["--baseline", str(p), "--only", "synthetic/gspo/"]) == 1
     assert "|Δρ|" in capsys.readouterr().out
     shift = json.loads(json.dumps(base))  # below max_abs everywhere, but all in one direction
-    for k, v in shift["scenarios"].items():
+    for v in shift["scenarios"].values():
         v["rho_prefix"] = [x + 5e-7 for x in v["rho_prefix"]]
     p.write_text(json.dumps(shift))
     assert check.main(["--baseline", str(p), "--only", "synthetic/"]) == 1

@@ -126,3 +126,17 @@ def test_bad_config_one_line_error(args, msg, capsys):
 def test_config_error_is_value_error():
     with pytest.raises(ConfigError):
         RunConfig(G=1)
+
+
+def test_reproduce_cli_writes_figures_and_summary(tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["reproduce", "--out", str(out), "--steps", "2", "--prompts", "4", "--G", "4",
+                 "--minibatches", "2", "--probe-contexts", "4", "--tax-every", "1",
+                 "--no-progress"]) == 0
+    assert (out / "figures" / "training_curves.png").stat().st_size > 10_000
+    summary = (out / "summary.md").read_text()
+    for name in ("grpo", "gspo", "dfpo-min", "dfpo-orth"):
+        assert f"| {name} " in summary
+    assert "acc_first" in capsys.readouterr().out
+    # a second fresh run into the same folder is refused with a one-line error
+    assert main(["reproduce", "--out", str(out), "--steps", "2", "--no-progress"]) == 2

@@ -88,19 +88,19 @@ def grpo_args(loss_type: str, level: str, spg: int, steps: int, out_dir: str, *,
 
     from ..task import ArithmeticTask
 
-    kw = {}
-    if loss_type == "cispo":
-        kw["epsilon_high"] = 5.0
-    elif level == "sequence":
-        kw["epsilon"], kw["epsilon_high"] = GSPO_EPS
-    kw.update(extra)
-    return GRPOConfig(
+    kw = dict(  # noqa: C408 (keyword style mirrors GRPOConfig)
         output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
         report_to=[], save_strategy="no", disable_tqdm=True, seed=seed,
         per_device_train_batch_size=prompts * G // spg, steps_per_generation=spg,
         gradient_accumulation_steps=1, num_generations=G, max_steps=steps, logging_steps=spg,
         learning_rate=lr, loss_type=loss_type, importance_sampling_level=level,
-        max_completion_length=max_completion_length or ArithmeticTask().max_new_tokens, **kw)
+        max_completion_length=max_completion_length or ArithmeticTask().max_new_tokens)
+    if loss_type == "cispo":
+        kw["epsilon_high"] = 5.0
+    elif level == "sequence":
+        kw["epsilon"], kw["epsilon_high"] = GSPO_EPS
+    kw.update(extra)
+    return GRPOConfig(**kw)
 
 
 def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = True,

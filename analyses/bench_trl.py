@@ -1,0 +1,171 @@
+"""Throughput: gradlab's loop vs TRL's GRPOTrainer, and gradlab's instrumentation on TRL.
+
+Same tiny policy (the shipped default), task (2-digit additions, strict reward), prompts × G per
+rollout, max new tokens, temperature 1, learning rate, AdamW, grad clip 1 and optimizer steps
+per rollout (gradlab `minibatches` = TRL `steps_per_generation`, gradient_accumulation_steps=1).
+Loss: gradlab "grpo" (token-mean PPO-clip, ε = 0.2) vs TRL loss_type "dapo" (the same).
+Runners, interleaved round by round (order rotated each round) so that CPU contention from other
+jobs hits all of them alike; a warm-up round is not counted:
+
+  gradlab        gradlab.train.train(RunConfig(..., drift=False, tax_every=0))
+  gradlab+probes the same with the default probes (drift every step, tax every 5 rollouts)
+  trl            trl.GRPOTrainer
+  trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ, run store every window)
+
+Time = the training loop only (gradlab: Σ time_step of its store, i.e. rollout + updates +
+probes per rollout; TRL: on_train_begin → on_train_end). Prints medians and ratios of medians.
+
+    python analyses/bench_trl.py [--rollouts 10] [--rounds 3] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from gradlab.config import RunConfig
+from gradlab.integrations.trl import GradlabConfig
+from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
+from gradlab.store import load_run
+from gradlab.train import train
+
+RUNNERS = ("gradlab", "gradlab+probes", "trl", "trl+gradlab")
+
+
+class _Clock(TrainerCallback):
+    """Wall time of TRL's training loop."""
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.t0 = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kw):
+        self.seconds = time.perf_counter() - self.t0
+
+
+def run_gradlab(a, rollouts: int, probes: bool, tmp: str) -> dict:
+    extra = {} if probes else {"drift": False, "tax_every": 0}
+    cfg = RunConfig(out=os.path.join(tmp, "gl"), objectives=["grpo"], steps=rollouts,
+                    prompts=a.prompts, G=a.G, minibatches=a.minibatches, lr=a.lr,
+                    seed=a.seed, progress=False, ckpt_every=rollouts, **extra)
+    with quiet():
+        train(cfg)
+    df = load_run(cfg.out, wide=True)
+    return {"seconds": float(df["time_step"].sum()), "opt_steps": rollouts * a.minibatches,
+            "tokens": float(df["tokens"].max())}
+
+
+def run_trl(a, rollouts: int, instrumented: bool, tmp: str) -> dict:
+    with quiet():
+        args = grpo_args("dapo", "token", a.minibatches, rollouts * a.minibatches,
+                         os.path.join(tmp, "trl"), prompts=a.prompts, G=a.G, lr=a.lr,
+                         seed=a.seed, logging_steps=a.minibatches)
+        gl = GradlabConfig(store=os.path.join(tmp, "trl", "gradlab"))
+        tr = make_trainer(args, WORKLOADS["arithmetic"], gl, instrumented=instrumented,
+                          n_prompts=a.prompts * rollouts)
+        count = {"tokens": 0}
+        reward = tr.reward_funcs[0]
+
+        def counted(prompts, completions, completion_ids, **kw):  # sampled tokens, incl. EOS
+            count["tokens"] += sum(len(c) for c in completion_ids)
+            return reward(prompts, completions, completion_ids=completion_ids, **kw)
+
+        tr.reward_funcs[0] = counted
+        clock = _Clock()
+        tr.add_callback(clock)
+        tr.train()
+    return {"seconds": clock.seconds, "opt_steps": rollouts * a.minibatches,
+            "tokens": float(count["tokens"])}
+
+
+def run_one(name: str, a, rollouts: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        if name.startswith("gradlab"):
+            return run_gradlab(a, rollouts, name == "gradlab+probes", tmp)
+        return run_trl(a, rollouts, name == "trl+gradlab", tmp)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+    import trl
+
+    return (f"{cpu}; {os.cpu_count()} CPUs visible, torch threads {torch.get_num_threads()}; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"trl {trl.__version__}; load average {os.getloadavg()[0]:.2f}")
+
+
+def report(results: dict[str, list[dict]], a) -> dict:
+    """Print the medians table and the ratios; returns them as a dict."""
+    med = {}
+    print("\n| runner | median s | optimizer steps/s | tokens/s | runs |\n|---|---|---|---|---|")
+    for name, rs in results.items():
+        s = statistics.median(r["seconds"] for r in rs)
+        sps = statistics.median(r["opt_steps"] / r["seconds"] for r in rs)
+        tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
+        med[name] = {"seconds": s, "steps_per_s": sps, "tokens_per_s": tps}
+        print(f"| {name} | {s:.2f} | {sps:.2f} | {tps:.0f} | {len(rs)} |")
+    ratios = {
+        "gradlab / trl, steps/s": med["gradlab"]["steps_per_s"] / med["trl"]["steps_per_s"],
+        "gradlab / trl, tokens/s": med["gradlab"]["tokens_per_s"] / med["trl"]["tokens_per_s"],
+        "gradlab+probes / trl, steps/s":
+            med["gradlab+probes"]["steps_per_s"] / med["trl"]["steps_per_s"],
+        "trl+gradlab / trl, time": med["trl+gradlab"]["seconds"] / med["trl"]["seconds"],
+    }
+    print("\n| ratio of medians | value | target |\n|---|---|---|")
+    targets = {"gradlab / trl, steps/s": "≥ 1.5", "trl+gradlab / trl, time": "≤ 1.10"}
+    for k, v in ratios.items():
+        print(f"| {k} | {v:.2f} | {targets.get(k, '')} |")
+    return {"medians": med, "ratios": ratios}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rollouts", type=int, default=10, help="rollout batches per run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--minibatches", type=int, default=4, help="optimizer steps per rollout")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"machine: {machine()}")
+    print(f"workload: {a.prompts} prompts × G={a.G} per rollout, {a.minibatches} optimizer steps "
+          f"per rollout, {a.rollouts} rollouts per run, {a.rounds} rounds (+1 warm-up)")
+    for name in RUNNERS:  # warm-up: imports, first-call costs
+        run_one(name, a, 2)
+    results = {n: [] for n in RUNNERS}
+    for r in range(a.rounds):
+        order = RUNNERS[r % len(RUNNERS):] + RUNNERS[: r % len(RUNNERS)]
+        for name in order:
+            res = run_one(name, a, a.rollouts)
+            results[name].append(res)
+            print(f"  round {r} {name:15s} {res['seconds']:.2f} s", flush=True)
+    out = report(results, a)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"machine": machine(), "args": vars(a),
+                                            "runs": results, **out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
