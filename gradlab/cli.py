@@ -11,7 +11,6 @@ import json
 import sys
 import time
 from dataclasses import MISSING, fields
-from pathlib import Path
 
 from .config import ConfigError, RunConfig
 

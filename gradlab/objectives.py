@@ -14,7 +14,7 @@ Names: "grpo", "grpo-fix", "gspo", "gspo-token", "dfpo" (+ aliases "dfpo-min", "
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

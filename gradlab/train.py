@@ -24,9 +24,9 @@ from . import objectives
 from .batch import TokenBatch, advantages
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
-from .metrics import StepMetrics, probe_set, probe_metrics
+from .metrics import StepMetrics, probe_metrics, probe_set
 from .policy import load_policy
-from .probes import ModulationProbe, learning_tax, layer_groups, node_drift, shared_drift
+from .probes import ModulationProbe, layer_groups, learning_tax, node_drift, shared_drift
 from .probes.tax import reduce_tax
 from .rollout import Rollout, generate, token_logps
 from .store import RunStore

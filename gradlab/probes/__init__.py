@@ -13,5 +13,5 @@ from .transform import DFPOGradientTransform
 
 __all__ = [
     "DFPOGradientTransform", "ModulationProbe", "Schedule", "entropy", "equal_solution_logodds",
-    "group_of", "kl_rows", "layer_groups", "learning_tax", "node_drift",
+    "group_of", "kl_rows", "layer_groups", "learning_tax", "node_drift", "shared_drift",
 ]
