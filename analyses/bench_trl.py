@@ -12,10 +12,13 @@ jobs hits all of them alike; a warm-up round is not counted:
   trl            trl.GRPOTrainer
   trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ, run store every window)
 
-Time = the training loop only (gradlab: Σ time_step of its store, i.e. rollout + updates +
-probes per rollout; TRL: on_train_begin → on_train_end). Prints medians and ratios of medians.
+Time = the training loop only, setup excluded (gradlab: Σ over `gradlab.train.rollout_step`
+calls, i.e. rollout + updates + probes; TRL: on_train_begin → on_train_end), as wall time and
+as this process's CPU time (less sensitive to other jobs on shared cores). Prints medians,
+ratios of medians, and the median of the per-round ratios (runs of a round are neighbours in
+time, so they share the machine's load).
 
-    python analyses/bench_trl.py [--rollouts 10] [--rounds 3] [--threads N]
+    python analyses/bench_trl.py [--rollouts 10] [--rounds 5] [--threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,23 +35,24 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+import gradlab.train as gl_train
 from gradlab.config import RunConfig
 from gradlab.integrations.trl import GradlabConfig
 from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.store import load_run
-from gradlab.train import train
 
 RUNNERS = ("gradlab", "gradlab+probes", "trl", "trl+gradlab")
 
 
 class _Clock(TrainerCallback):
-    """Wall time of TRL's training loop."""
+    """Wall and CPU time of TRL's training loop."""
 
     def on_train_begin(self, args, state, control, **kw):
-        self.t0 = time.perf_counter()
+        self.t0 = (time.perf_counter(), time.process_time())
 
     def on_train_end(self, args, state, control, **kw):
-        self.seconds = time.perf_counter() - self.t0
+        self.wall = time.perf_counter() - self.t0[0]
+        self.cpu = time.process_time() - self.t0[1]
 
 
 def run_gradlab(a, rollouts: int, probes: bool, tmp: str) -> dict:
@@ -56,11 +60,24 @@ def run_gradlab(a, rollouts: int, probes: bool, tmp: str) -> dict:
     cfg = RunConfig(out=os.path.join(tmp, "gl"), objectives=["grpo"], steps=rollouts,
                     prompts=a.prompts, G=a.G, minibatches=a.minibatches, lr=a.lr,
                     seed=a.seed, progress=False, ckpt_every=rollouts, **extra)
-    with quiet():
-        train(cfg)
-    df = load_run(cfg.out, wide=True)
-    return {"seconds": float(df["time_step"].sum()), "opt_steps": rollouts * a.minibatches,
-            "tokens": float(df["tokens"].max())}
+    inner, clock = gl_train.rollout_step, {"wall": 0.0, "cpu": 0.0}
+
+    def timed(*args, **kw):  # the loop's per-rollout work, setup and checkpoints excluded
+        t = (time.perf_counter(), time.process_time())
+        try:
+            return inner(*args, **kw)
+        finally:
+            clock["wall"] += time.perf_counter() - t[0]
+            clock["cpu"] += time.process_time() - t[1]
+
+    gl_train.rollout_step = timed
+    try:
+        with quiet():
+            gl_train.train(cfg)
+    finally:
+        gl_train.rollout_step = inner
+    tokens = float(load_run(cfg.out, wide=True)["tokens"].max())
+    return {**clock, "opt_steps": rollouts * a.minibatches, "tokens": tokens}
 
 
 def run_trl(a, rollouts: int, instrumented: bool, tmp: str) -> dict:
@@ -82,7 +99,7 @@ def run_trl(a, rollouts: int, instrumented: bool, tmp: str) -> dict:
         clock = _Clock()
         tr.add_callback(clock)
         tr.train()
-    return {"seconds": clock.seconds, "opt_steps": rollouts * a.minibatches,
+    return {"wall": clock.wall, "cpu": clock.cpu, "opt_steps": rollouts * a.minibatches,
             "tokens": float(count["tokens"])}
 
 
@@ -110,34 +127,48 @@ def machine() -> str:
             f"trl {trl.__version__}; load average {os.getloadavg()[0]:.2f}")
 
 
-def report(results: dict[str, list[dict]], a) -> dict:
-    """Print the medians table and the ratios; returns them as a dict."""
+def _ratios(v: dict[str, float]) -> dict[str, float]:
+    """The headline ratios from per-runner steps/s (or tokens/s) values."""
+    return {"gradlab / trl": v["gradlab"] / v["trl"],
+            "gradlab+probes / trl": v["gradlab+probes"] / v["trl"],
+            "trl+gradlab / trl (time)": v["trl"] / v["trl+gradlab"]}
+
+
+def report(results: dict[str, list[dict]]) -> dict:
+    """Print medians and ratios (of medians, and median of per-round ratios); return them."""
     med = {}
-    print("\n| runner | median s | optimizer steps/s | tokens/s | runs |\n|---|---|---|---|---|")
+    print("\n| runner | median wall s | steps/s (wall) | tokens/s (wall) | steps/s (CPU) | runs |"
+          "\n|---|---|---|---|---|---|")
     for name, rs in results.items():
-        s = statistics.median(r["seconds"] for r in rs)
-        sps = statistics.median(r["opt_steps"] / r["seconds"] for r in rs)
-        tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
-        med[name] = {"seconds": s, "steps_per_s": sps, "tokens_per_s": tps}
-        print(f"| {name} | {s:.2f} | {sps:.2f} | {tps:.0f} | {len(rs)} |")
-    ratios = {
-        "gradlab / trl, steps/s": med["gradlab"]["steps_per_s"] / med["trl"]["steps_per_s"],
-        "gradlab / trl, tokens/s": med["gradlab"]["tokens_per_s"] / med["trl"]["tokens_per_s"],
-        "gradlab+probes / trl, steps/s":
-            med["gradlab+probes"]["steps_per_s"] / med["trl"]["steps_per_s"],
-        "trl+gradlab / trl, time": med["trl+gradlab"]["seconds"] / med["trl"]["seconds"],
+        m = {"wall": statistics.median(r["wall"] for r in rs),
+             "steps_wall": statistics.median(r["opt_steps"] / r["wall"] for r in rs),
+             "tokens_wall": statistics.median(r["tokens"] / r["wall"] for r in rs),
+             "steps_cpu": statistics.median(r["opt_steps"] / r["cpu"] for r in rs)}
+        med[name] = m
+        print(f"| {name} | {m['wall']:.2f} | {m['steps_wall']:.2f} | {m['tokens_wall']:.0f} | "
+              f"{m['steps_cpu']:.2f} | {len(rs)} |")
+    n = len(results["trl"])
+    per_round = [_ratios({k: results[k][i]["opt_steps"] / results[k][i]["wall"] for k in results})
+                 for i in range(n)]
+    table = {
+        "ratio of medians, steps/s (wall)": _ratios({k: v["steps_wall"] for k, v in med.items()}),
+        "ratio of medians, tokens/s (wall)": _ratios({k: v["tokens_wall"] for k, v in med.items()}),
+        "ratio of medians, steps/s (CPU)": _ratios({k: v["steps_cpu"] for k, v in med.items()}),
+        "median of per-round ratios (wall)": {
+            k: statistics.median(r[k] for r in per_round) for k in per_round[0]},
     }
-    print("\n| ratio of medians | value | target |\n|---|---|---|")
-    targets = {"gradlab / trl, steps/s": "≥ 1.5", "trl+gradlab / trl, time": "≤ 1.10"}
-    for k, v in ratios.items():
-        print(f"| {k} | {v:.2f} | {targets.get(k, '')} |")
-    return {"medians": med, "ratios": ratios}
+    cols = list(per_round[0])
+    print(f"\n| measure | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}")
+    for k, v in table.items():
+        print(f"| {k} | {' | '.join(f'{v[c]:.2f}' for c in cols)} |")
+    print("targets: gradlab / trl ≥ 1.5; trl+gradlab / trl (time) ≤ 1.10")
+    return {"medians": med, "ratios": table}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rollouts", type=int, default=10, help="rollout batches per run")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--minibatches", type=int, default=4, help="optimizer steps per rollout")
@@ -159,8 +190,9 @@ def main() -> None:
         for name in order:
             res = run_one(name, a, a.rollouts)
             results[name].append(res)
-            print(f"  round {r} {name:15s} {res['seconds']:.2f} s", flush=True)
-    out = report(results, a)
+            print(f"  round {r} {name:15s} {res['wall']:.2f} s wall, {res['cpu']:.2f} s CPU",
+                  flush=True)
+    out = report(results)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"machine": machine(), "args": vars(a),

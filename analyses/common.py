@@ -20,8 +20,8 @@ FIGURES = ROOT / "figures"
 if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, not the root
     sys.path.insert(0, str(ROOT))
 
-from gradlab.config import RunConfig
-from gradlab.store import load_run
+from gradlab.config import RunConfig  # noqa: E402
+from gradlab.store import load_run  # noqa: E402
 
 # Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
 QUICK = dict(steps=2, prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=1,

@@ -41,7 +41,7 @@ import torch
 from analyses.common import FIGURES, set_threads
 from gradlab import objectives
 from gradlab.batch import advantages
-from gradlab.cancellation import cancellation
+from gradlab.cancellation import attribution, cancellation
 from gradlab.nodes import shared_nodes
 from gradlab.rollout import generate
 from gradlab.testing import measure_on_model, optimizer_step_on
@@ -120,6 +120,9 @@ def token_frame(tok, ro, rows, batch, Ws: dict, clips: dict, g: int,
     df.attrs["rho"] = {t: cancellation(Ws[t][keep], _sub(batch, keep), "prefix").ratio
                        for t, _, _ in panels}
     df.attrs["prompt"] = ro.problems[int(rows[keep[0]])].prompt
+    # share of the group's residual each mechanism accounts for (closed form, MATH.md §3)
+    df.attrs["attribution"] = {t: attribution(objectives.get(n, **p), _sub(batch, keep))
+                               for t, n, p in panels}
     return df
 
 
@@ -237,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     fig.savefig(out, dpi=80 if a.quick else 130, bbox_inches="tight")
     plt.close(fig)
     print(summary(df).to_markdown(index=False, floatfmt=".3g"))
+    for title, att in df.attrs["attribution"].items():
+        if df.attrs["rho"][title] > 1e-4:  # not float round-off
+            print(f"{title}: residual Σ|d| = {att['residual']:.3g}; share removed by switching "
+                  "off " + ", ".join(f"{m} {att[m]:.1%}" for m in ("coupling", "length", "clip")))
     print(f"wrote {out} and {out.with_suffix('.csv')} in {time.time() - t0:.1f} s")
     return 0
 

@@ -2,7 +2,10 @@
 
 At node n with members S_n: net coefficient c_n = Σ_{S_n} W_{i,t_n}; exchangeable reference
 c*_n = k_n Σ_{S_n} A_i with k_n = Σ|W| / Σ|A| (c* = 0 exactly for a full-group node, where
-Σ A = 0); residual d_n = c_n − c*_n. Headline: ρ = Σ_n |d_n| / Σ_n Σ_{S_n} |W| ∈ [0, 1].
+Σ A = 0); residual d_n = c_n − c*_n. Headline: ρ = Σ_n |d_n| / Σ_n (Σ_{S_n} |W| + |c*_n|) ∈ [0, 1].
+At full-group nodes c* = 0 and this is MATH.md's ρ = Σ|d| / Σ|W|. At subset (trie) nodes
+|d_n| can reach |c_n| + |c*_n| ≤ 2 Σ|W| (a residual opposite to the subset's credit), so MATH.md's
+normaliser would let ρ exceed 1; adding |c*_n| keeps ρ in [0, 1] (*our* reading).
 Defined results: ρ = 0 when there is no shared mass (no nodes, or W = 0 there).
 Takes any W — closed form or hook-measured — and assumes nothing about the objective.
 """
@@ -21,7 +24,8 @@ from .nodes import SharedNodes, shared_nodes
 
 @dataclass
 class NodeCoefficients:
-    """Per-node tensors, (N,) each: c, c_star, d, mass = Σ|W|, plus the node structure."""
+    """Per-node tensors, (N,) each: c, c_star, d, mass = Σ|W|, scale = mass + |c*| (ρ's
+    normaliser), plus the node structure."""
 
     sn: SharedNodes
     c: Tensor
@@ -29,6 +33,10 @@ class NodeCoefficients:
     d: Tensor
     mass: Tensor
     adv_sum: Tensor
+
+    @property
+    def scale(self) -> Tensor:
+        return self.mass + self.c_star.abs()
 
 
 def node_coefficients(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> NodeCoefficients:
@@ -90,8 +98,8 @@ def cancellation(
         raise ValueError("cancellation: W is not finite at some masked-in position")
     sn = shared_nodes(batch, nodes) if sn is None else sn
     k = node_coefficients(W, batch, sn)
-    residual, mass = k.d.abs().sum(), k.mass.sum()
-    ratio = torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1), 0)
+    residual, mass, scale = k.d.abs().sum(), k.mass.sum(), k.scale.sum()
+    ratio = torch.where(scale > 0, residual / torch.where(scale > 0, scale, 1), 0)
     n_tok = batch.mask.sum().clamp(min=1)
     frac = (sn.node >= 0).sum() / n_tok
     r, res, m, f = torch.stack([ratio, residual, mass, frac.to(ratio.dtype)]).tolist()  # one sync

@@ -26,12 +26,16 @@ still check the invariants. Exit code 0: all good; 1: a violation (named); 2: ba
     gradlab check --update                # rewrite the baseline (refused if an invariant fails)
     gradlab check --loss my_pkg.losses:my_loss            # your loss: must cancel everywhere
     gradlab check --loss path/to/losses.py:my_loss --expect residual
+    python -m gradlab.check --update      # the same, without the `gradlab` CLI
 
 A user loss is `fn(batch: gradlab.TokenBatch) -> scalar tensor`, built from batch.logps (B, T)
 (with batch.old_logps, batch.advantages (B,), batch.mask, batch.tokens, batch.group). It is
 checked on every scenario above; `--update --baseline mine.json` records a baseline for it and
-later runs with `--baseline mine.json` compare against it. In pytest, use
-`gradlab.testing.assert_cancels_in_regimes(my_loss)` for the synthetic part.
+later runs with `--baseline mine.json` compare against it. In pytest (your CI):
+
+    from gradlab.testing import assert_cancels_in_regimes
+    def test_my_loss_cancels():
+        assert_cancels_in_regimes(my_loss)  # fails on 1/|o_i| ("on") or asymmetric clip ("far")
 """
 
 from __future__ import annotations
@@ -283,9 +287,10 @@ def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict
             r.problems.append(f"hook W ≠ closed form (rel. {r.hook_dev:.2g})")
 
 
-def compare(results: list[Result], base: dict, fingerprint: str | None, tol: dict) -> list[str]:
-    """Baseline comparison: per-scenario max |Δρ| into each result; returns source-level
-    problems (mean drift, missing scenarios) as messages."""
+def compare(results: list[Result], base: dict, fingerprint: str | None,
+            tol: dict) -> tuple[list[str], list[str]]:
+    """Baseline comparison: per-scenario max |Δρ| into each result's problems; returns
+    (source-level failures: mean drift, notes: e.g. a rollout that differs from the baseline's)."""
     scen = base.get("scenarios", {})
     comparable = {"synthetic": True,
                   "model": fingerprint is not None and fingerprint == base.get("fingerprint")}
@@ -308,16 +313,16 @@ def compare(results: list[Result], base: dict, fingerprint: str | None, tol: dic
         r.delta = max(abs(x) for x in d)
         if r.delta > tol[src]["max_abs"]:
             r.problems.append(f"|Δρ| {r.delta:.3g} > {tol[src]['max_abs']:g} vs baseline")
-    msgs = []
+    msgs, notes = [], []
     for src, d in deltas.items():
         if d and abs(sum(d) / len(d)) > tol[src]["mean"]:
             msgs.append(f"{src}: mean Δρ {sum(d) / len(d):+.3g} over {len(d)} values exceeds "
                         f"the mean-drift tolerance {tol[src]['mean']:g}")
     if not comparable["model"] and fingerprint is not None and base:
-        msgs_env = environment_diff(base.get("environment", {}))
-        print(f"note: model rollout differs from the baseline's ({msgs_env}); "
-              "model scenarios are checked against MATH.md only")
-    return msgs
+        notes.append(f"model rollout differs from the baseline's ("
+                     f"{environment_diff(base.get('environment', {}))}); model scenarios are "
+                     "checked against MATH.md only")
+    return msgs, notes
 
 
 def environment() -> dict:
@@ -371,21 +376,42 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradlab check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--update", action="store_true", help="rewrite the baseline")
-    p.add_argument("--baseline", default=str(BASELINE), help="baseline JSON (default: committed)")
+    p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
+                                      "none unless given)")
     p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
     p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
                    help="for --loss: must it cancel everywhere (default), show a residual "
                         "somewhere, or only match the baseline")
     p.add_argument("--only", help="only scenarios whose name contains this string")
     p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+    return p
+
+
+def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: dict,
+            partial: bool) -> int:
+    """Write the baseline (merged into the old one when only some scenarios ran)."""
+    bad = [r.key for r in results if r.problems]
+    if bad:
+        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate MATH.md")
+        return 1
+    new = baseline_dict(results, fp or base.get("fingerprint"), tol)
+    new["scenarios"] = {**(base.get("scenarios", {}) if partial else {}), **new["scenarios"]}
+    path.write_text(_dumps(new))
+    print(f"baseline written: {path} ({len(new['scenarios'])} scenarios)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # `gradlab check -- --update`
+    a = _parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # `check -- --update`
     try:
         scenarios = user_scenarios(a.loss, a.expect) if a.loss else builtin_scenarios()
+        if a.loss and a.update and not a.baseline:
+            raise ValueError("--update with --loss needs --baseline PATH (your own file)")
     except (ValueError, ImportError) as e:
         print(f"gradlab check: error: {e}", file=sys.stderr)
         return 2
@@ -394,32 +420,22 @@ def main(argv: list[str] | None = None) -> int:
     if not scenarios:
         print(f"gradlab check: error: no scenario matches --only {a.only!r}", file=sys.stderr)
         return 2
-    path = Path(a.baseline)
-    base = json.loads(path.read_text()) if path.is_file() else {}
+    path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
+    base = json.loads(path.read_text()) if path and path.is_file() else {}
     tol = base.get("tolerance", DEFAULT_TOL)
     results, fp = run(scenarios)
     check_invariants(results, scenarios, tol)
-    msgs = [] if a.update else compare(results, base, fp, tol)
+    msgs, notes = ([], []) if a.update else compare(results, base, fp, tol)
     if a.loss and a.expect == "residual" and max(max(r.rho_prefix) for r in results) < tol["positive"]:
         msgs.append(f"{a.loss}: expected a residual somewhere, but ρ < {tol['positive']:g} in "
                     "every scenario")
     print(render(results, scenarios))
-    bad = [r for r in results if r.problems]
-    for m in msgs:
-        print("FAIL:", m)
+    print("".join(f"note: {n}\n" for n in notes) + "".join(f"FAIL: {m}\n" for m in msgs), end="")
     if a.update:
-        if bad:
-            print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate MATH.md")
-            return 1
-        old = base.get("scenarios", {}) if (a.only or a.no_model) else {}
-        new = baseline_dict(results, fp or base.get("fingerprint"), tol)
-        new["scenarios"] = {**old, **new["scenarios"]}
-        path.write_text(_dumps(new))
-        print(f"baseline written: {path} ({len(new['scenarios'])} scenarios)")
-        return 0
+        return _update(path, base, results, fp, tol, partial=bool(a.only or a.no_model))
+    bad = [r.key for r in results if r.problems]
     if bad or msgs:
-        names = ", ".join(r.key for r in bad)
-        print(f"gradlab check: {len(bad)} scenario(s) failed{': ' + names if names else ''}")
+        print(f"gradlab check: {len(bad)} scenario(s) failed{': ' if bad else ''}{', '.join(bad)}")
         return 1
     print(f"gradlab check: all {len(results)} scenarios pass")
     return 0

@@ -119,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     tab.set_defaults(fn=cmd_table)
     chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
                          add_help=False)
-    chk.set_defaults(fn=lambda a: _delegate("gradlab.check", a.rest))
+    chk.set_defaults(fn=lambda a: _delegate(DELEGATED["check"], a.rest))
     aud = sub.add_parser("audit", help="audit a trainer's loss settings (gradlab audit trl)",
                          add_help=False)
-    aud.set_defaults(fn=lambda a: _delegate("gradlab.integrations.trl_audit", a.rest))
+    aud.set_defaults(fn=lambda a: _delegate(DELEGATED["audit"], a.rest))
     for sp in (chk, aud):
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -135,7 +135,13 @@ def _delegate(module: str, argv: list[str]) -> int:
     return importlib.import_module(module).main(argv)
 
 
+DELEGATED = {"check": "gradlab.check", "audit": "gradlab.integrations.trl_audit"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
+        return _delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -124,6 +124,10 @@ class DFPO(Objective):
     def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
         return self.base.norm(batch, off)
 
+    def stats(self, batch: TokenBatch) -> dict:
+        """The base objective's clip figures (a Min-Replace zero is not a clip)."""
+        return self.base.stats(batch)
+
     def tilde(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> tuple[Tensor, Tensor]:
         """(w, w̃), both (B, T); with a graph through w when grad."""
         w = self.base.weight(batch, off, grad=grad)

@@ -45,6 +45,7 @@ class StepMetrics:
             k = node_coefficients(W, batch, sn)
             self.sums[f"{prefix}residual_{kind}"].append(k.d.abs().sum())
             self.sums[f"{prefix}mass_{kind}"].append(k.mass.sum())
+            self.sums[f"{prefix}scale_{kind}"].append(k.scale.sum())
 
     def add_step(self, obj, batch: TokenBatch, W: Tensor, ent: Tensor, loss: Tensor,
                  stats: dict, heavy: bool, others: list) -> None:
@@ -148,7 +149,7 @@ def _ratios(s: dict) -> dict:
     for key in list(s):
         if key.endswith("residual_prefix") or key.endswith("residual_trie"):
             pre, kind = key.rsplit("residual_", 1)
-            out[f"{pre}rho_{kind}"] = min(1.0, div(s[key], s[f"{pre}mass_{kind}"]))
+            out[f"{pre}rho_{kind}"] = div(s[key], s[f"{pre}scale_{kind}"])
     for key in list(s):
         if key.startswith("drift_") and key.endswith("_sum"):
             stem = key[: -len("_sum")]

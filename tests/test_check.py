@@ -60,7 +60,9 @@ def loss_file(tmp_path):
 
 # --- gradlab check ---------------------------------------------------------------------------
 def test_check_passes_on_main(capsys):
-    assert check.main([]) == 0
+    from gradlab.cli import main as cli_main
+
+    assert cli_main(["check"]) == 0  # `gradlab check` delegates to gradlab.check.main
     out = capsys.readouterr().out
     assert f"all {len(check.builtin_scenarios())} scenarios pass" in out
     assert "model/gspo/off" in out and "synthetic/dfpo-orth/far" in out
@@ -76,10 +78,16 @@ def test_broken_user_loss_fails_and_is_named(loss_file, capsys):
     assert line.rstrip().endswith("ok (no baseline)")
 
 
-def test_good_user_loss_passes(loss_file):
-    assert check.main(["--loss", f"{loss_file}:drgrpo_loss", "--no-model"]) == 0
+def test_good_user_loss_passes_and_gets_its_own_baseline(loss_file, tmp_path):
+    spec = f"{loss_file}:drgrpo_loss"
+    assert check.main(["--loss", spec, "--no-model"]) == 0
     assert check.main(["--loss", f"{loss_file}:seqnorm_loss", "--expect", "residual",
                        "--no-model"]) == 0
+    assert check.main(["--loss", spec, "--update", "--no-model"]) == 2  # never the committed one
+    mine = tmp_path / "mine.json"
+    assert check.main(["--loss", spec, "--update", "--baseline", str(mine), "--no-model"]) == 0
+    assert "synthetic/loss:drgrpo_loss/far" in json.loads(mine.read_text())["scenarios"]
+    assert check.main(["--loss", spec, "--baseline", str(mine), "--no-model"]) == 0
 
 
 def test_monkeypatched_objective_fails(monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """Shared-node structure against a brute-force trie, and property-based invariants."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,3 +102,18 @@ def test_full_group_of_trie_equals_prefix():
         a, t = gradlab.shared_nodes(b, "prefix"), gradlab.shared_nodes(b, "trie").full_group()
         for f in ("node", "group", "position", "size", "token", "rep", "full"):
             assert torch.equal(getattr(a, f), getattr(t, f)), f
+
+
+def test_trie_ratio_stays_in_unit_interval_when_residual_opposes_subset_credit():
+    """A subset node whose net coefficient has the opposite sign of its credit: |d| > Σ|W|."""
+    tokens = torch.tensor([[1, 2, 5], [1, 2, 6], [1, 3, 7]])
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    z = torch.zeros(3, 3, dtype=torch.float64)
+    A = torch.tensor([1.0, 0.5, -1.5], dtype=torch.float64)  # subset {0, 1} has credit +1.5
+    b = gradlab.TokenBatch(tokens, mask, z, z, A, torch.zeros(3, dtype=torch.long))
+    W = torch.tensor([[0.0, -1.0, 0], [0.0, -1.0, 0], [0.0, 0.0, 0]], dtype=torch.float64)
+    rep = cancellation(W, b, "trie")
+    k = rep.coef
+    sub = (~k.sn.full).nonzero().squeeze(-1)
+    assert float(k.d[sub].abs().sum()) > float(k.mass[sub].sum())  # MATH.md's normaliser > 1
+    assert rep.ratio == pytest.approx(4.0 / 4.0)  # |d| = |−2 − 2| over Σ|W| + |c*| = 2 + 2

@@ -1,6 +1,5 @@
 """Every notebook runs headless (nbclient) on a tiny run and no cell errors."""
 
-import os
 import sys
 from pathlib import Path
 

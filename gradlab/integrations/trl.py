@@ -27,7 +27,6 @@ is a multiple of num_generations; a group cut anyway (e.g. across processes) rai
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from unittest import mock
 
@@ -50,7 +49,8 @@ ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added t
 class GradlabConfig:
     """What the instrumented trainer does.
 
-    store: run-store folder; "auto" = <output_dir>/gradlab; None = TRL's logs only.
+    store: run-store folder; "auto" = <output_dir>/gradlab; None = TRL's logs only. A folder
+        that already holds a run raises FileExistsError unless resume=True (then appends).
     dfpo: None, or a DFPO transform "min" | "orth" | "scale" applied to TRL's gradient, at
         `dfpo_nodes` ("prefix" | "trie") with `dfpo_scope` ("shared" | "all").
     every: measure every k-th generation batch (DFPO, when on, acts on every step).
@@ -67,6 +67,7 @@ class GradlabConfig:
     trie: bool = True
     keep_windows: bool = False
     objective: str | None = None
+    resume: bool = False
 
     def __post_init__(self) -> None:
         for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
@@ -256,7 +257,7 @@ class GradlabMixin:
         path = os.path.join(self.args.output_dir, "gradlab") if path == "auto" else path
         trl_cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str))}
         return RunStore(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
-                               "objective": self._gl_label()})
+                               "objective": self._gl_label()}, resume=self.gradlab.resume)
 
     # --- TRL overrides -----------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -350,10 +351,8 @@ class GradlabMixin:
         """After the backward: keep W (and W_base under DFPO), drop the hooks."""
         h = part.pop("hooks")
         h.close()
-        if isinstance(h, DFPOGradientTransform):
-            part["W"], part["W_base"] = h.W_tilde, h.W
-        else:
-            part["W"] = h.W
+        dfpo = isinstance(h, DFPOGradientTransform)
+        part["W"], part["W_base"] = (h.W_tilde, h.W) if dfpo else (h.W, None)
         if part["W"] is None:  # no backward reached the log-probs (e.g. an all-masked batch)
             part["W"] = torch.zeros_like(part["logps"])
 
@@ -380,34 +379,30 @@ class GradlabMixin:
 
     def _gl_assemble(self, parts: list[dict], gen: dict) -> Window | None:
         """Scatter the loss calls' rows back into generation-batch order (and gather ranks)."""
-        B, T = gen["tokens"].shape
-        cols = defaultdict(lambda: None)
-        for name in ("W", "W_base", "logps", "old"):
-            if all(p.get(name) is not None for p in parts):
-                cols[name] = gen["tokens"].new_zeros((B, T), dtype=parts[0]["W"].dtype)
-        micro = torch.full((B,), -1, dtype=torch.long, device=gen["tokens"].device)
+        tok, cols = gen["tokens"], ("W", "W_base", "logps", "old")
+        micro = torch.full((tok.shape[0],), -1, dtype=torch.long, device=tok.device)
+        t = {"tokens": tok, "mask": gen["mask"], "adv": gen["advantages"], "group": gen["group"],
+             "micro": micro}
+        for c in cols:
+            have = all(p.get(c) is not None for p in parts)
+            t[c] = tok.new_zeros(tok.shape, dtype=parts[0]["W"].dtype) if have else None
         for p in parts:
             micro[p["row"]] = p["micro"]
-            for name, buf in cols.items():
-                if buf is not None:
-                    buf[p["row"]] = p[name].to(buf.dtype)
+            for c in cols:
+                if t[c] is not None:
+                    t[c][p["row"]] = p[c].to(t[c].dtype)
         if bool((micro < 0).any()):  # e.g. resumed mid-window: not every row was seen
             return None
-        old = cols["old"] if cols["old"] is not None else cols["logps"]
-        tensors = {"tokens": gen["tokens"], "mask": gen["mask"], "adv": gen["advantages"],
-                   "micro": micro, "W": cols["W"], "W_base": cols["W_base"],
-                   "logps": cols["logps"], "old": old, "group": gen["group"]}
+        t["old"] = t["old"] if t["old"] is not None else t["logps"]  # on-policy: old = current
         if self.accelerator.num_processes > 1:
-            tensors = self._gl_gather(tensors, gen)
-        t = tensors
+            t = self._gl_gather(t, gen)
         batch = TokenBatch(tokens=t["tokens"], mask=t["mask"].bool(), logps=t["logps"],
                            old_logps=t["old"], advantages=t["adv"].to(t["W"].dtype),
                            group=t["group"], validate=False)
-        spg = self.args.steps_per_generation
+        k = parts[0]["micro"] // self.args.steps_per_generation  # window (pass) index
         return Window(batch, t["W"], t["W_base"], t["micro"],
                       t["micro"] // self.args.gradient_accumulation_steps,
-                      index=parts[0]["micro"] // spg,
-                      iteration=(parts[0]["micro"] // spg) % self.num_iterations)
+                      index=k, iteration=k % self.num_iterations)
 
     def _gl_gather(self, t: dict, gen: dict) -> dict:
         """Data parallelism: rows of all processes, rank-major (= the global sampler order);

@@ -297,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="both", choices=[*WORKLOADS, "both"])
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as e:
+        print(f"gradlab audit trl: {e.name} is not installed: pip install 'gradlab[trl]'")
+        return 2
     wls = tuple(WORKLOADS) if a.workload == "both" else (a.workload,)
     if a.quick and a.workload == "both":
         wls = ("lengths",)
