@@ -66,9 +66,8 @@ class StepMetrics:
         self.add_scalar("loss", loss)
         for k, v in stats.items():
             self.add_scalar(k, v)
-        for o in others:  # same-batch mode: the other objectives' W on this very batch
-            self._residuals(f"cf/{o.name if o.name != 'dfpo' else _dfpo_name(o)}/",
-                            o.modulation(batch), batch, sns)
+        for name, o in others:  # same-batch mode: the other objectives' W on this very batch
+            self._residuals(f"cf/{name}/", o.modulation(batch), batch, sns)
         if heavy:
             for mech, share in attribution(obj, batch, "prefix").items():
                 self.add_scalar(f"attr_{mech}", share)
@@ -135,10 +134,6 @@ class StepMetrics:
                      "length_sum": ro.response_mask.sum(), "n_groups": len(labels),
                      "split_groups": sum(spread), "zero_std_groups": sum(zero_std)}.items():
             self.sums[k].append(v)
-
-
-def _dfpo_name(o) -> str:
-    return f"dfpo-{o.transform}"
 
 
 def _ratios(s: dict) -> dict:

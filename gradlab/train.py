@@ -82,7 +82,7 @@ def minibatches(group: torch.Tensor, k: int, gen: torch.Generator, split: bool,
 
 def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
                    rows: torch.Tensor, acc: StepMetrics, heavy: bool,
-                   others: list[objectives.Objective], D: Dist) -> None:
+                   others: list[tuple[str, objectives.Objective]], D: Dist) -> None:
     """One optimizer step of learner L on rows of the rollout, with the probes."""
     # normalisers use the global minibatch's totals (identical to the local ones in one process)
     dev = ro.group.device  # nccl reduces CUDA tensors only
@@ -231,8 +231,8 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
     model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
-    others = [] if cfg.mode == "tandem" else [
-        objectives.get(n, **cfg.objective_params.get(n, {})) for n in cfg.objectives[1:]]
+    others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
+        (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
     learners = make_learners(cfg, model, trained)
     probes = probe_set(model.to(cfg.device), tok, task, cfg)
     start = _resume(store, learners, D) if resume else 0
