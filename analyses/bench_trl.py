@@ -12,6 +12,7 @@ jobs hits all of them alike; a warm-up round is not counted:
   trl            trl.GRPOTrainer
   trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ, run store every window)
 
+Both run with the same torch thread count (default 1, see --threads).
 Time = the training loop only, setup excluded (gradlab: Σ over `gradlab.train.rollout_step`
 calls, i.e. rollout + updates + probes; TRL: on_train_begin → on_train_end), as wall time and
 as this process's CPU time (less sensitive to other jobs on shared cores). Prints medians,
@@ -76,8 +77,10 @@ def run_gradlab(a, rollouts: int, probes: bool, tmp: str) -> dict:
             gl_train.train(cfg)
     finally:
         gl_train.rollout_step = inner
-    tokens = float(load_run(cfg.out, wide=True)["tokens"].max())
-    return {**clock, "opt_steps": rollouts * a.minibatches, "tokens": tokens}
+    df = load_run(cfg.out, wide=True)
+    core = float((df["time_rollout"] + df["time_update"]).sum())  # without the loop's probes
+    return {**clock, "core": core, "opt_steps": rollouts * a.minibatches,
+            "tokens": float(df["tokens"].max())}
 
 
 def run_trl(a, rollouts: int, instrumented: bool, tmp: str) -> dict:
@@ -147,6 +150,9 @@ def report(results: dict[str, list[dict]]) -> dict:
         med[name] = m
         print(f"| {name} | {m['wall']:.2f} | {m['steps_wall']:.2f} | {m['tokens_wall']:.0f} | "
               f"{m['steps_cpu']:.2f} | {len(rs)} |")
+    core = statistics.median(r["opt_steps"] / r["core"] for r in results["gradlab"])
+    print(f"| gradlab, rollout + update only (its store's time_rollout + time_update) | — | "
+          f"{core:.2f} | — | — | {len(results['gradlab'])} |")
     n = len(results["trl"])
     per_round = [_ratios({k: results[k][i]["opt_steps"] / results[k][i]["wall"] for k in results})
                  for i in range(n)]
@@ -161,6 +167,9 @@ def report(results: dict[str, list[dict]]) -> dict:
     print(f"\n| measure | {' | '.join(cols)} |\n|---|{'---|' * len(cols)}")
     for k, v in table.items():
         print(f"| {k} | {' | '.join(f'{v[c]:.2f}' for c in cols)} |")
+    table["gradlab rollout + update only / trl, steps/s (wall)"] = core / med["trl"]["steps_wall"]
+    print(f"| gradlab rollout + update only / trl, steps/s (wall) | "
+          f"{table['gradlab rollout + update only / trl, steps/s (wall)']:.2f} | | |")
     print("targets: gradlab / trl ≥ 1.5; trl+gradlab / trl (time) ≤ 1.10")
     return {"medians": med, "ratios": table}
 
@@ -174,7 +183,9 @@ def main() -> None:
     p.add_argument("--minibatches", type=int, default=4, help="optimizer steps per rollout")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for both (default 1: with tiny ops, 2+ OpenMP threads on "
+                        "shared cores stall in barriers and times swing 10-30x; 0 = torch's)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     if a.threads:
