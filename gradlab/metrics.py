@@ -187,8 +187,14 @@ def probe_set(model, tok, task, cfg) -> dict:
     b = TokenBatch(ro.response_ids, ro.response_mask, zeros, zeros,
                    zeros[:, 0], ro.group, validate=False)
     sn = shared_nodes(b, "prefix")
-    probes = {"ro": ro, "rep": sn.rep, "pos": sn.position}
-    probes["ref"] = _context_logprobs(model, probes, cfg)
+    # keep one representative row per group, cut after the last shared position: the probe
+    # forward then costs a few tokens per prompt
+    reps = torch.unique(sn.rep)
+    t_max = int(sn.position.max()) + 1 if sn.n else 1
+    rows = (ro.prompt_ids[reps], ro.prompt_mask[reps], ro.response_ids[reps, :t_max],
+            ro.response_mask[reps, :t_max])
+    probes = {"rows": rows, "rep": torch.searchsorted(reps, sn.rep), "pos": sn.position}
+    probes["ref"] = _context_logprobs(model, probes, cfg) if sn.n else None
     sols = [task.solutions(p) for p in problems]
     if all(len(s) >= 2 for s in sols):
         from .policy import encode_pairs
@@ -201,9 +207,7 @@ def probe_set(model, tok, task, cfg) -> dict:
 
 def _context_logprobs(model, probes: dict, cfg) -> Tensor:
     """(K, V) next-token log-probs at the probe contexts."""
-    ro = probes["ro"]
-    _, logprobs = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
-                              ro.response_mask, cfg.temperature, return_logprobs=True)
+    _, logprobs = token_logps(model, *probes["rows"], cfg.temperature, return_logprobs=True)
     return logprobs[probes["rep"], probes["pos"]]
 
 

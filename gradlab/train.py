@@ -26,8 +26,8 @@ from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .metrics import StepMetrics, probe_metrics, probe_set
 from .policy import load_policy
-from .probes import ModulationProbe, layer_groups, learning_tax, node_drift, shared_drift
-from .probes.tax import reduce_tax
+from .probes import ModulationProbe, layer_groups, node_drift, shared_drift
+from .probes.tax import reduce_tax, residual_grad_outputs, tax_from_reps, tax_report
 from .rollout import Rollout, generate, token_logps
 from .store import RunStore
 from .task import get_task
@@ -101,17 +101,15 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     with ModulationProbe() as probe:
         watched = probe.watch(logps)
         loss, stats = L.objective(batch.replace(logps=watched))
-        loss.backward(retain_graph=heavy)
+        loss.backward()
     acc.time("update", t0)
     t1 = time.perf_counter()
     W = probe.W
     acc.add_step(L.objective, batch, W, ent.detach(), loss.detach(), stats, heavy, others)
     D.fix_grads(L.model)
     if heavy:
-        raw = unwrap(L.model)
-        tax = learning_tax(logps, W, batch, dict(raw.named_parameters()), "prefix",
-                           layer_groups(raw), sn=acc.last_prefix_nodes)
-        acc.add_tax(reduce_tax(tax, raw, D) if D.enabled else tax)
+        tax = tax_step(L, cfg, ro, rows, batch, W, acc.last_prefix_nodes)
+        acc.add_tax(reduce_tax(tax, unwrap(L.model), D) if D.enabled else tax)
     acc.time("probes", t1)
     t2 = time.perf_counter()
     acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
@@ -122,6 +120,25 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
         t3 = time.perf_counter()
         drift_step(L, cfg, ro, rows, batch, logprobs.detach(), acc.last_prefix_nodes, heavy, acc)
         acc.time("probes", t3)
+
+
+def tax_step(L: Learner, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
+             W: torch.Tensor, sn) -> dict:
+    """The parameter-space learning tax g_tax at full-group nodes (MATH.md §3), from one
+    forward + backward over the nodes' representative rows, truncated after the shared prefix
+    (see `gradlab.probes.tax.tax_from_reps`; a test holds it to `learning_tax`)."""
+    raw = unwrap(L.model)
+    params = dict(raw.named_parameters())
+    if sn.n == 0:
+        return tax_report({n: torch.zeros_like(p) for n, p in params.items()}, params)
+    reps = torch.unique(sn.rep)
+    t_max = int(sn.position.max()) + 1
+    r = rows[reps]
+    with amp_context(cfg):
+        lp = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
+                         ro.response_mask[r, :t_max], cfg.temperature)
+    D = residual_grad_outputs(W, batch, sn)[reps, :t_max]
+    return tax_from_reps(lp, D, params, layer_groups(raw))
 
 
 @torch.no_grad()
@@ -164,7 +181,7 @@ def _idle_step(L: Learner, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy:
     if heavy:
         raw = unwrap(L.model)
         zero = {n: torch.zeros_like(p) for n, p in raw.named_parameters()}
-        acc.add_tax(reduce_tax({"g_tax": zero}, raw, D))
+        acc.add_tax(reduce_tax({"g_tax": zero}, raw, D))  # joins the ranks' g_tax sum
     acc.add_scalar("loss", 0.0)
     acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
     L.opt.step()

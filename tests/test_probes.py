@@ -384,3 +384,35 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     for k in ("drift_node_kl_mean", "drift_node_dlogp_mean", "drift_node_count"):
         assert out[False][k] == pytest.approx(out[True][k], rel=1e-4, abs=1e-9), k
     assert out[True]["drift_node_kl_mean"] > 0
+
+
+def test_loop_tax_from_representative_rows_equals_learning_tax():
+    """The loop's cheap g_tax (rep rows, truncated forward) equals learning_tax on the full graph."""
+    from gradlab.config import RunConfig
+    from gradlab.nodes import shared_nodes
+    from gradlab.policy import load_policy
+    from gradlab.rollout import generate, token_logps
+    from gradlab.task import ArithmeticTask
+    from gradlab.train import Learner, tax_step
+
+    model, tok = load_policy()
+    model.train()
+    ro = generate(model, tok, ArithmeticTask().problems(4, seed=2), G=4, max_new_tokens=12,
+                  row_keys=torch.arange(16))
+    rows = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, 15])
+    lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+                     ro.response_mask[rows])
+    adv = advantages(torch.tensor([1.0, 0, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]), ro.group[rows])
+    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, ro.old_logps[rows] - 0.01,
+                   adv, ro.group[rows])
+    obj = objectives.get("gspo", eps=(0.2, 0.2))
+    W = obj.modulation(b)
+    obj.loss(b).backward(retain_graph=True)
+    sn = shared_nodes(b, "prefix")
+    params = dict(model.named_parameters())
+    full = learning_tax(lp, W, b, params, sn=sn)
+    L = Learner("gspo", obj, model, None, None)
+    cheap = tax_step(L, RunConfig(progress=False), ro, rows, b, W, sn)
+    assert float(full["tax_norm"]) > 0
+    for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
+        assert float(cheap[k]) == pytest.approx(float(full[k]), rel=1e-4), k

@@ -97,6 +97,8 @@ def learning_tax(
         raise ValueError(f"learning_tax: W is {tuple(W.shape)}, logps is {tuple(logps.shape)}")
     sn = shared_nodes(batch, nodes) if sn is None else sn
     names = list(params)
+    if g_total is None:  # read before the extra pass (which does not touch .grad anyway)
+        g_total = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()}
     if sn.n:
         D = residual_grad_outputs(W, batch, sn).to(logps.dtype)
         # loss-gradient sign: the residual's share of −Σ W ∇l is −Σ d ∇l_rep
@@ -105,6 +107,17 @@ def learning_tax(
     else:  # no shared token: no tax, no extra pass
         grads = [None] * len(names)
     tax = {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads)}
+    out = tax_report(tax, params, g_total, groups)
+    out["n_nodes"] = sn.n
+    return out
+
+
+def tax_report(tax: dict[str, Tensor], params: dict[str, Tensor],
+               g_total: dict[str, Tensor] | None = None,
+               groups: dict[str, str] | None = None) -> dict:
+    """Norms of a g_tax ({name: tensor}) against g_total (default each param's `.grad`),
+    overall and per layer group; the dict layout of `learning_tax`."""
+    names = list(tax)
     if g_total is None:
         g_total = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()}
     groups = {n: group_of(n) for n in names} if groups is None else groups
@@ -112,24 +125,30 @@ def learning_tax(
     for n in names:
         by_group.setdefault(groups.get(n, "other"), []).append(n)
     out = _norms(tax, g_total, names)
-    out["n_nodes"] = sn.n
     out["groups"] = {g: _norms(tax, g_total, ns) for g, ns in by_group.items()}
     out["g_tax"] = tax
     return out
+
+
+def tax_from_reps(logps_reps: Tensor, D_reps: Tensor, params: dict[str, Tensor],
+                  groups: dict[str, str] | None = None) -> dict:
+    """g_tax from a separate forward over the nodes' representative rows only.
+
+    logps_reps (R, T') — log-probs of the R representative rows, truncated after the last node
+    position, from a fresh forward with gradients; D_reps (R, T') — `residual_grad_outputs`
+    restricted to those rows and positions. Since ∇l at a node depends only on its shared
+    context, this equals `learning_tax` on the full graph (exactly, up to float rounding) at
+    ~(1/G)·(T'/T) of the cost of a backward over the whole batch.
+    """
+    names = list(params)
+    grads = torch.autograd.grad(logps_reps, [params[n] for n in names],
+                                grad_outputs=-D_reps.to(logps_reps.dtype), allow_unused=True)
+    tax = {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads)}
+    return tax_report(tax, params, None, groups)
 
 
 def reduce_tax(res: dict, model: torch.nn.Module, D) -> dict:
     """Data parallelism: sum each rank's g_tax over ranks (`D.sum`), then recompute the norms
     against the (already reduced) parameter gradients."""
     tax = {n: D.sum(g) for n, g in res["g_tax"].items()}
-    params = dict(model.named_parameters())
-    total = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in params.items()}
-    names = list(tax)
-    groups = layer_groups(model)
-    by_group: dict[str, list[str]] = {}
-    for n in names:
-        by_group.setdefault(groups.get(n, "other"), []).append(n)
-    out = _norms(tax, total, names)
-    out["groups"] = {g: _norms(tax, total, ns) for g, ns in by_group.items()}
-    out["g_tax"] = tax
-    return out
+    return tax_report(tax, dict(model.named_parameters()), None, layer_groups(model))
