@@ -23,7 +23,9 @@ HELP = {
     "steps": "rollout batches", "prompts": "prompts per rollout batch", "G": "responses per prompt",
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
-    "drift": "drift at each step's shared contexts (an extra forward per step)",
+    "drift": "drift at each step's shared contexts (a small extra forward per step)",
+    "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
+              "trains with plain trainer metrics only",
 }
 
 

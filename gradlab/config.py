@@ -46,6 +46,7 @@ class RunConfig:
     amp: bool = False
     ckpt_every: int = 10
     tax_every: int = 5
+    probes: bool = True
     drift: bool = True
     probe_contexts: int = 16
     progress: bool = True
@@ -102,6 +103,8 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
     if c.mode not in MODES:
         raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
+    if c.mode == "same-batch" and not c.probes:
+        raise ConfigError("--mode same-batch measures the other objectives: it needs --probes")
     if c.adv_scale not in ADVANTAGE_SCALES:
         raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
     if c.model is not None and not (Path(c.model) / "config.json").is_file():

@@ -47,25 +47,26 @@ class StepMetrics:
             self.sums[f"{prefix}mass_{kind}"].append(k.mass.sum())
             self.sums[f"{prefix}scale_{kind}"].append(k.scale.sum())
 
-    def add_step(self, obj, batch: TokenBatch, W: Tensor, ent: Tensor, loss: Tensor,
-                 stats: dict, heavy: bool, others: list) -> None:
-        """Measured W of one optimizer step: residuals, shared fractions, entropy, W deviation."""
+    def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
+        """What any trainer logs: loss, clip figures, token entropy."""
+        self.sums["n_tokens"].append(batch.mask.sum())
+        self.sums["entropy_sum"].append((ent * batch.mask).sum())
+        self.add_scalar("loss", loss)
+        for k, v in stats.items():
+            self.add_scalar(k, v)
+
+    def add_step(self, obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool,
+                 others: list) -> None:
+        """Measured W of one optimizer step: residuals, shared fractions, W deviation."""
         trie = shared_nodes(batch, "trie")
         sns = {"prefix": trie.full_group(), "trie": trie}
         self.last_prefix_nodes = sns["prefix"]
         self._residuals("", W, batch, sns)
-        m = batch.mask
-        self.sums["n_tokens"].append(m.sum())
         for kind, sn in sns.items():
             self.sums[f"n_shared_{kind}"].append((sn.node >= 0).sum())
-        shared = sns["prefix"].node >= 0
-        self.sums["entropy_sum"].append((ent * m).sum())
-        self.sums["entropy_shared_sum"].append((ent * shared).sum())
+        self.sums["entropy_shared_sum"].append((ent * (sns["prefix"].node >= 0)).sum())
         self.maxes["w_dev"].append((W - obj.modulation(batch)).abs().max())
         self.maxes["w_max"].append(W.abs().max())
-        self.add_scalar("loss", loss)
-        for k, v in stats.items():
-            self.add_scalar(k, v)
         for name, o in others:  # same-batch mode: the other objectives' W on this very batch
             self._residuals(f"cf/{name}/", o.modulation(batch), batch, sns)
         if heavy:
@@ -165,9 +166,9 @@ def _ratios(s: dict) -> dict:
         if f"n_shared_{kind}" in s:
             out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)
     if "entropy_sum" in s:
-        out["entropy"] = div(s.pop("entropy_sum"), n)
-        out["entropy_shared"] = div(s.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
-        out.pop("entropy_sum"), out.pop("entropy_shared_sum")
+        out["entropy"] = div(out.pop("entropy_sum"), n)
+    if "entropy_shared_sum" in s:
+        out["entropy_shared"] = div(out.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
     return out
 
 

@@ -98,17 +98,18 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
                        adv[rows], ro.group[rows], n_seqs=int(tot[0]), n_tokens=int(tot[1]),
                        width=width, validate=False)
-    with ModulationProbe() as probe:
+    with ModulationProbe(enabled=cfg.probes) as probe:
         watched = probe.watch(logps)
         loss, stats = L.objective(batch.replace(logps=watched))
         loss.backward()
     acc.time("update", t0)
     t1 = time.perf_counter()
-    W = probe.W
-    acc.add_step(L.objective, batch, W, ent.detach(), loss.detach(), stats, heavy, others)
+    acc.add_basic(batch, ent.detach(), loss.detach(), stats)
+    if cfg.probes:
+        acc.add_step(L.objective, batch, probe.W, ent.detach(), heavy, others)
     D.fix_grads(L.model)
-    if heavy:
-        tax = tax_step(L, cfg, ro, rows, batch, W, acc.last_prefix_nodes)
+    if cfg.probes and heavy:
+        tax = tax_step(L, cfg, ro, rows, batch, probe.W, acc.last_prefix_nodes)
         acc.add_tax(reduce_tax(tax, unwrap(L.model), D) if D.enabled else tax)
     acc.time("probes", t1)
     t2 = time.perf_counter()
@@ -116,7 +117,7 @@ def optimizer_step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     L.opt.step()
     L.opt.zero_grad(set_to_none=True)
     acc.time("update", t2)
-    if cfg.drift:
+    if cfg.probes and cfg.drift:
         t3 = time.perf_counter()
         drift_step(L, cfg, ro, rows, batch, logprobs.detach(), acc.last_prefix_nodes, heavy, acc)
         acc.time("probes", t3)
@@ -178,7 +179,7 @@ def _idle_step(L: Learner, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy:
                         ro.response_mask[one], cfg.temperature)
     (0.0 * logps.sum()).backward()
     D.fix_grads(L.model)
-    if heavy:
+    if cfg.probes and heavy:
         raw = unwrap(L.model)
         zero = {n: torch.zeros_like(p) for n, p in raw.named_parameters()}
         acc.add_tax(reduce_tax({"g_tax": zero}, raw, D))  # joins the ranks' g_tax sum
@@ -224,7 +225,8 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
     acc.add_rollout(task, ro, parts)
     rec = acc.finish()
     t1 = time.perf_counter()
-    rec.update(probe_metrics(unwrap(L.model), probes, cfg))
+    if probes is not None:
+        rec.update(probe_metrics(unwrap(L.model), probes, cfg))
     acc.time("probes", t1)
     rec.update(acc.times)
     rec.update({"step": step, "objective": L.name, "seed": cfg.seed, "tokens": L.tokens})
@@ -251,7 +253,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
     learners = make_learners(cfg, model, trained)
-    probes = probe_set(model.to(cfg.device), tok, task, cfg)
+    probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     start = _resume(store, learners, D) if resume else 0
     for L in learners:
         L.model = D.wrap(L.model)
@@ -267,7 +269,8 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
             store.log({"step": step, "objective": L.name, "prompt": ro.problems[0].prompt,
                        "responses": ro.texts[: cfg.G], "rewards": ro.rewards[: cfg.G].tolist()},
                       "samples.jsonl")
-            post[L.name] = f"r={rec['reward']:.2f} ρ={rec['rho_prefix']:.2f}"
+            post[L.name] = f"r={rec['reward']:.2f}" + (
+                f" ρ={rec['rho_prefix']:.2f}" if "rho_prefix" in rec else "")
         bar.set_postfix_str(" | ".join(f"{k}: {v}" for k, v in post.items()))
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
             for L in learners:

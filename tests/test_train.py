@@ -140,3 +140,11 @@ def test_reproduce_cli_writes_figures_and_summary(tmp_path, capsys):
     assert "acc_first" in capsys.readouterr().out
     # a second fresh run into the same folder is refused with a one-line error
     assert main(["reproduce", "--out", str(out), "--steps", "2", "--no-progress"]) == 2
+
+
+def test_no_probes_trains_with_plain_metrics_only(tmp_path):
+    cfg = RunConfig(out=str(tmp_path / "np"), objectives=["gspo"], probes=False, **SMALL)
+    train(cfg)
+    ms = set(gradlab.load_run(tmp_path / "np")["metric"])
+    assert {"reward", "accuracy", "loss", "grad_norm", "entropy", "clip_frac"} <= ms
+    assert not any(m.startswith(("rho", "tax", "drift", "probe")) for m in ms)
