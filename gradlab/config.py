@@ -30,7 +30,7 @@ class RunConfig:
     task: str = "arithmetic"
     difficulty: int = 2
     model: str | None = None
-    steps: int = 40
+    steps: int = 150
     prompts: int = 8
     G: int = 8
     minibatches: int = 4
