@@ -13,6 +13,7 @@ the cumulative KL at a fixed probe set of shared contexts and the equal-solution
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ class Learner:
 
 def amp_context(cfg: RunConfig):
     """bf16 autocast on CUDA when asked; a no-op on CPU."""
-    on = cfg.amp and cfg.device.startswith("cuda")
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on)
+    if cfg.amp and cfg.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
@@ -56,7 +58,7 @@ def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
     for name in names:
         m = copy.deepcopy(model).to(cfg.device).train()
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # same samples at step 0
+        gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # minibatch order
         obj = objectives.get(name, **cfg.objective_params.get(name, {}))
         out.append(Learner(name, obj, m, opt, gen))
     return out
