@@ -11,7 +11,7 @@ token counts) and draws mean and 95 % bootstrap band over seeds with
   figure3_diagnostics.png  beyond the paper: ρ per step (full-group and trie nodes), the
                            learning-tax drift (cumulative KL at fixed shared probe contexts),
                            ‖g_tax‖/‖g_total‖, token entropy, equal-solution log-odds
-  figure3.csv              the tidy table behind both (raw, before interpolation)
+  figure3.csv              the tidy table behind both: plotted metrics, raw (before interpolation)
   and a markdown table: last-5-steps accuracy per objective, mean [95 % bootstrap] over seeds.
 
     python analyses/figure3.py                 # full: 5 seeds × 150 steps × 8 prompts × G=8
@@ -78,7 +78,9 @@ def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFr
     plots.save(plots.training_curves(aligned, MAIN, smooth=smooth), out / "figure3.png")
     plots.save(plots.training_curves(aligned, BEYOND, smooth=smooth),
                out / "figure3_diagnostics.png")
-    tidy.to_csv(out / "figure3.csv", index=False)
+    # the data behind the figures: the plotted metrics (the full tables stay in the run folders)
+    plotted = [m for m, _ in MAIN + BEYOND] + ["logodds_abs", "forms_entropy"]
+    tidy[tidy["metric"].isin(plotted)].to_csv(out / "figure3.csv", index=False)
     return tidy
 
 
