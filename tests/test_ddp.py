@@ -18,9 +18,9 @@ ARGS = ["--objectives", "grpo,gspo", "--prompts", "4", "--G", "4", "--minibatche
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _torchrun(out: Path, steps: int, popen: bool = False):
+def _torchrun(out: Path, steps: int, popen: bool = False, extra: tuple = ()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "gradlab", "tandem", "--out", str(out), "--steps", str(steps), *ARGS]
+           "-m", "gradlab", "tandem", "--out", str(out), "--steps", str(steps), *ARGS, *extra]
     if popen:
         return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
@@ -48,6 +48,20 @@ def test_two_ranks_equal_one_process(tmp_path):
                    ("tax_share", 1e-6), ("loss", 1e-6)]:
         np.testing.assert_allclose(wa[m], wb[m], rtol=1e-3, atol=tol, err_msg=m)
     assert (wa["rho_prefix"][wa["objective"] == "gspo"] > 1e-3).any()  # a real residual compared
+
+
+def test_resume_under_ddp_equals_uninterrupted(tmp_path):
+    """Two ranks: 2 steps, then --resume to 3, against 3 steps in one process."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, "-m", "gradlab", "tandem", "--out", str(one), "--steps", "3",
+                    *ARGS], env=ENV, check=True, capture_output=True, timeout=600)
+    for steps, extra in ((2, ()), (3, ("--resume",))):
+        r = _torchrun(two, steps, extra=extra)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    wa, wb = gradlab.load_run(one, wide=True), gradlab.load_run(two, wide=True)
+    assert list(wb["step"]) == list(wa["step"])
+    for m in ("reward", "rho_prefix", "grad_norm", "probe_kl"):
+        np.testing.assert_allclose(wa[m], wb[m], rtol=1e-3, atol=1e-6, err_msg=m)
 
 
 def _children(pid: int) -> list[int]:
