@@ -279,7 +279,15 @@ def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) ->
 
 
 def _load_folder(path: Path, device, attn: str | None = None) -> tuple:
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per tiny load is noise
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:  # many HF LMs ship without a pad token
