@@ -60,14 +60,10 @@ class SharedNodes:
             return self
         keep = self.full
         new_id = torch.cumsum(keep.long(), 0) - 1
-        node = torch.where(self.node >= 0, new_id[self.node.clamp(min=0)], -1)
-        node = torch.where((self.node >= 0) & keep[self.node.clamp(min=0)], node, -1)
+        idx = self.node.clamp(min=0)
+        node = torch.where((self.node >= 0) & keep[idx], new_id[idx], -1)
         f = [x[keep] for x in (self.group, self.position, self.size, self.token, self.rep, self.full)]
         return SharedNodes(node, *f, kind="prefix")
-
-    def shared_mask(self) -> Tensor:
-        """(B, T) bool — positions that belong to a node."""
-        return self.node >= 0
 
 
 def _pack(batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
