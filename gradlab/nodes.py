@@ -56,8 +56,9 @@ class SharedNodes:
 
     def full_group(self) -> SharedNodes:
         """The prefix (full-group) nodes of a trie structure, renumbered 0..N'-1."""
-        if self.kind == "prefix":
-            return self
+        if self.kind == "prefix" or self.n == 0:
+            return SharedNodes(*(getattr(self, f) for f in (
+                "node", "group", "position", "size", "token", "rep", "full")), kind="prefix")
         keep = self.full
         new_id = torch.cumsum(keep.long(), 0) - 1
         idx = self.node.clamp(min=0)

@@ -117,3 +117,15 @@ def test_trie_ratio_stays_in_unit_interval_when_residual_opposes_subset_credit()
     sub = (~k.sn.full).nonzero().squeeze(-1)
     assert float(k.d[sub].abs().sum()) > float(k.mass[sub].sum())  # MATH.md's normaliser > 1
     assert rep.ratio == pytest.approx(4.0 / 4.0)  # |d| = |−2 − 2| over Σ|W| + |c*| = 2 + 2
+
+
+def test_no_shared_token_anywhere():
+    """Responses that differ from their first token: no nodes, ρ = 0, and the loop's
+    trie → prefix path works."""
+    b = gradlab.TokenBatch(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2, dtype=torch.bool),
+                           torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([1.0, -1.0]),
+                           torch.tensor([0, 0]))
+    trie = gradlab.shared_nodes(b, "trie")
+    assert trie.n == 0 and trie.full_group().n == 0 and trie.full_group().kind == "prefix"
+    assert (trie.full_group().node == -1).all()
+    assert cancellation(torch.ones(2, 2), b, sn=trie.full_group()).ratio == 0.0
