@@ -39,8 +39,8 @@ def make_batch(n_groups: int, G: int, T: int, seed: int = 0) -> gradlab.TokenBat
 def time_once(b: gradlab.TokenBatch, W: torch.Tensor) -> float:
     t0 = time.perf_counter()
     trie = gradlab.shared_nodes(b, "trie")  # the prefix nodes are the trie's full-group nodes
-    gradlab.cancellation(W, b, sn=trie)
-    gradlab.cancellation(W, b, sn=trie.full_group())
+    gradlab.core.cancellation(W, b, sn=trie)
+    gradlab.core.cancellation(W, b, sn=trie.full_group())
     return time.perf_counter() - t0
 
 

@@ -22,12 +22,13 @@ import torch
 
 import gradlab
 from gradlab import objectives
-from gradlab.config import RunConfig
-from gradlab.dist import Dist
-from gradlab.metrics import StepMetrics
-from gradlab.policy import build_tokenizer, load_policy, n_params, new_model
-from gradlab.rollout import Rollout, token_logps
-from gradlab.train import Learner, optimizer_step
+from gradlab.loop.config import RunConfig
+from gradlab.loop.dist import Dist
+from gradlab.loop.logprobs import token_logps
+from gradlab.loop.metrics import StepMetrics
+from gradlab.loop.policy import build_tokenizer, load_policy, n_params, new_model
+from gradlab.loop.rollout import Rollout
+from gradlab.loop.train import Learner, optimizer_step
 
 
 def make_rollout(vocab: int, groups: int, G: int, T: int, seed: int = 0) -> Rollout:

@@ -7,13 +7,13 @@ Loss: gradlab "grpo" (token-mean PPO-clip, ε = 0.2) vs TRL loss_type "dapo" (th
 Runners, interleaved round by round (order rotated each round) so that CPU contention from other
 jobs hits all of them alike; a warm-up round is not counted:
 
-  gradlab        gradlab.train.train(RunConfig(..., probes=False)): trainer metrics only
+  gradlab        gradlab.loop.train.train(RunConfig(..., probes=False)): trainer metrics only
   gradlab+probes the same with the default probes (drift every step, tax every 5 rollouts)
   trl            trl.GRPOTrainer
   trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ, run store every window)
 
 Both run with the same torch thread count (default 1, see --threads).
-Time = the training loop only, setup excluded (gradlab: Σ over `gradlab.train.rollout_step`
+Time = the training loop only, setup excluded (gradlab: Σ over `gradlab.loop.train.rollout_step`
 calls, i.e. rollout + updates + probes; TRL: on_train_begin → on_train_end), as wall time and
 as this process's CPU time (less sensitive to other jobs on shared cores). Prints medians,
 ratios of medians, and the median of the per-round ratios (runs of a round are neighbours in
@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-import gradlab.train as gl_train
-from gradlab.config import RunConfig
+import gradlab.loop.train as gl_train
 from gradlab.integrations.trl import GradlabConfig
 from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
-from gradlab.store import load_run
+from gradlab.loop.config import RunConfig
+from gradlab.loop.store import load_run
 
 RUNNERS = ("gradlab", "gradlab+probes", "trl", "trl+gradlab")
 

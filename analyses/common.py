@@ -20,8 +20,8 @@ FIGURES = ROOT / "figures"
 if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, not the root
     sys.path.insert(0, str(ROOT))
 
-from gradlab.config import RunConfig  # noqa: E402
-from gradlab.store import load_run  # noqa: E402
+from gradlab.loop.config import RunConfig  # noqa: E402
+from gradlab.loop.store import load_run  # noqa: E402
 
 # Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
 QUICK = dict(steps=2, prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=1,
@@ -41,7 +41,7 @@ def run_seeds(root: str | Path, seeds, **cfg) -> Path:
     configuration, no checkpoint) is wiped and trained from scratch: the run store appends, so
     a folder must never be trained into twice.
     """
-    from gradlab.train import train
+    from gradlab.loop.train import train
 
     root = Path(root)
     for k in seeds:
@@ -124,8 +124,8 @@ def load_run_policy(run: str | Path, objective: str | None = None):
     """(model, tokenizer) of a run: the initial policy, or an objective's final checkpoint."""
     from safetensors.torch import load_file
 
-    from gradlab.policy import load_policy
-    from gradlab.task import get_task
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.task import get_task
 
     cfg = RunConfig.from_json(Path(run) / "config.json")
     builtin = cfg.task == "arithmetic"
@@ -139,7 +139,7 @@ def load_run_policy(run: str | Path, objective: str | None = None):
 
 def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 777_000) -> float:
     """Held-out accuracy (temperature 1, n fresh problems) of an objective's final policy."""
-    from gradlab.policy import evaluate
+    from gradlab.loop.policy import evaluate
 
     model, tok, task, _ = load_run_policy(run, objective)
     return evaluate(model, tok, task, n=n, seed=seed)["accuracy"]
@@ -151,7 +151,7 @@ def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 77
 def tiny_run(path: str | Path, objectives=("grpo", "gspo", "dfpo-min", "dfpo-orth"),
              steps: int = 3) -> Path:
     """A tiny tandem run (seconds) for notebooks without $GRADLAB_RUN; reused if present."""
-    from gradlab.train import train
+    from gradlab.loop.train import train
 
     path = Path(path)
     if not (path / "metrics.jsonl").exists():
@@ -177,10 +177,11 @@ def rollout_from_samples(run: str | Path, objective: str, step: int, model, tok)
     appended (a truncated response gains one). Returns (rollout, advantages (G,))."""
     import json
 
-    from gradlab.batch import advantages
-    from gradlab.policy import encode_pairs
-    from gradlab.rollout import Rollout, token_logps
-    from gradlab.task import Problem
+    from gradlab.core.batch import advantages
+    from gradlab.loop.logprobs import token_logps
+    from gradlab.loop.policy import encode_pairs
+    from gradlab.loop.rollout import Rollout
+    from gradlab.loop.task import Problem
 
     recs = [json.loads(x) for x in (Path(run) / "samples.jsonl").read_text().splitlines() if x]
     rec = next(r for r in recs if r["objective"] == objective and r["step"] == step)

@@ -40,10 +40,10 @@ import torch
 
 from analyses.common import FIGURES, set_threads
 from gradlab import objectives
-from gradlab.batch import advantages
-from gradlab.cancellation import attribution, cancellation
-from gradlab.nodes import shared_nodes
-from gradlab.rollout import generate
+from gradlab.core.batch import advantages
+from gradlab.core.cancellation import attribution, cancellation
+from gradlab.core.nodes import shared_nodes
+from gradlab.loop.rollout import generate
 from gradlab.testing import measure_on_model, optimizer_step_on
 
 PANELS = [  # (title, objective name, parameters)
@@ -218,8 +218,8 @@ def _panel(ax, d: pd.DataFrame, s: pd.DataFrame, scale: float, G: int, T: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gradlab.policy import load_policy
-    from gradlab.task import ArithmeticTask
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.task import ArithmeticTask
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="low-resolution image, for tests")

@@ -1,11 +1,11 @@
 """Figure 3: training curves of DFPO (both transforms), GSPO and GRPO at matched compute.
 
-Trains the tandem loop once per seed (`gradlab.train.train` → runs/figure3/seed{k}: every
+Trains the tandem loop once per seed (`gradlab.loop.train.train` → runs/figure3/seed{k}: every
 objective starts from the same weights and sees the same prompt stream), reads the folders with
 `gradlab.load_run` (the tidy table: run, objective, seed, step, tokens, metric, value), puts each
 seed's curve on a common rollout-token grid (linear interpolation: seeds consume different
 token counts) and draws mean and 95 % bootstrap band over seeds with
-`gradlab.plots.training_curves`:
+`gradlab.viz.curves.training_curves`:
 
   figure3.png              accuracy and reward vs rollout tokens (the paper's Figure 3)
   figure3_diagnostics.png  beyond the paper: ρ per step (full-group and trie nodes), the
@@ -42,7 +42,7 @@ from analyses.common import (
     run_seeds,
     set_threads,
 )
-from gradlab import plots
+from gradlab import viz as plots
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo", "grpo"]
 FULL = dict(steps=150, prompts=8, G=8, minibatches=4, tax_every=5, progress=True)

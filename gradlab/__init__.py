@@ -2,14 +2,14 @@
 
 Core (MATH.md §1–3, §5): `TokenBatch`, `advantages`, `objectives.get(name)` (loss and
 closed-form modulation W), `shared_nodes`, `cancellation`, `attribution`.
-Loop: `gradlab.train`, run store read by `load_run`; probes: `gradlab.probes`.
+Loop: `gradlab.loop.train`, run store read by `load_run`; probes: `gradlab.probes`.
 """
 
-from . import objectives
-from .batch import TokenBatch, advantages
-from .cancellation import Cancellation, attribution, cancellation
-from .nodes import SharedNodes, shared_nodes
-from .store import load_run
+from .core import objectives
+from .core.batch import TokenBatch, advantages
+from .core.cancellation import Cancellation, attribution, cancellation
+from .core.nodes import SharedNodes, shared_nodes
+from .loop.store import load_run
 
 __version__ = "0.1.0"
 

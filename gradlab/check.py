@@ -176,7 +176,7 @@ def load_loss(spec: str) -> Callable:
 
 
 def _rhos(W, batch) -> tuple[float, float]:
-    from .cancellation import cancellation
+    from .core.cancellation import cancellation
 
     return cancellation(W, batch, "prefix").ratio, cancellation(W, batch, "trie").ratio
 
@@ -214,11 +214,11 @@ class ModelSteps:
 
 
 def model_steps() -> ModelSteps:
-    from . import objectives
-    from .batch import advantages
-    from .policy import load_policy
-    from .rollout import generate
-    from .task import ArithmeticTask
+    from .core import objectives
+    from .core.batch import advantages
+    from .loop.policy import load_policy
+    from .loop.rollout import generate
+    from .loop.task import ArithmeticTask
     from .testing import optimizer_step_on
 
     model, tok = load_policy()

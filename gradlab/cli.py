@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
-from .config import ConfigError, RunConfig
+from .loop.config import ConfigError, RunConfig
 
 HELP = {
     "out": "run folder", "objectives": "comma-separated objective names",
@@ -62,7 +62,7 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from .train import train
+    from .loop.train import train
 
     objectives = [a.objective] if getattr(a, "objective", None) else None
     cfg = config_from_args(a, objectives)
@@ -72,7 +72,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(a: argparse.Namespace) -> int:
-    from .reproduce import reproduce
+    from .loop.reproduce import reproduce
 
     cfg = config_from_args(a)
     t0 = time.time()
@@ -84,8 +84,8 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
 
 def cmd_table(a: argparse.Namespace) -> int:
     """Cancellation ratio of every built-in objective on synthetic groups (no model needed)."""
-    from . import objectives
-    from .cancellation import cancellation
+    from .core import objectives
+    from .core.cancellation import cancellation
     from .testing import random_batch
 
     rows = []
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="train one objective")
-    run.add_argument("objective", help="objective name (gradlab.objectives.names())")
+    run.add_argument("objective", help="objective name (gradlab.core.objectives.names())")
     tandem = sub.add_parser("tandem", help="train several objectives side by side from one start")
     rep = sub.add_parser("reproduce", help="the main job: default tandem + figures + summary")
     for sp, fn, defaults in ((run, cmd_train, None), (tandem, cmd_train, None),

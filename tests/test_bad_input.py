@@ -5,7 +5,7 @@ import torch
 
 import gradlab
 from gradlab import objectives
-from gradlab.cancellation import cancellation
+from gradlab.core.cancellation import cancellation
 from gradlab.testing import measure_modulation, random_batch
 
 ALL = ["grpo", "grpo-fix", "gspo", "gspo-token", "dfpo-min", "dfpo-orth", "dfpo-scale"]

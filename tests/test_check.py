@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradlab import check, objectives
-from gradlab.objectives import GRPO, GRPOFix
+from gradlab.core.objectives import GRPO, GRPOFix
 from gradlab.testing import (
     assert_cancels,
     assert_cancels_in_regimes,
@@ -135,7 +135,7 @@ def test_committed_baseline_records_environment():
 
 def test_bad_arguments_exit_2(capsys):
     assert check.main(["--loss", "no_colon"]) == 2
-    assert check.main(["--loss", "gradlab.objectives:nope"]) == 2
+    assert check.main(["--loss", "gradlab.core.objectives:nope"]) == 2
     assert check.main(["--only", "no-such-scenario"]) == 2
     assert "error" in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import gradlab
 from gradlab import objectives
-from gradlab.cancellation import cancellation
+from gradlab.core.cancellation import cancellation
 from gradlab.testing import random_batch
 
 

@@ -7,8 +7,8 @@ import torch
 
 import gradlab
 from gradlab import objectives
-from gradlab.cancellation import cancellation
-from gradlab.dfpo import node_map, transform_weights
+from gradlab.core.cancellation import cancellation
+from gradlab.core.dfpo import node_map, transform_weights
 from gradlab.testing import measure_modulation, random_batch
 
 COMBOS = [

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gradlab import policy
-from gradlab.policy import (
+from gradlab.loop import policy
+from gradlab.loop.policy import (
     ACCURACY_BAND,
     build_tokenizer,
     evaluate,
@@ -17,7 +17,7 @@ from gradlab.policy import (
     tiny_config,
     warm_start,
 )
-from gradlab.task import ArithmeticTask, JsonlTask
+from gradlab.loop.task import ArithmeticTask, JsonlTask
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from torch.distributions import Categorical
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from gradlab import objectives
-from gradlab.batch import TokenBatch, advantages
-from gradlab.cancellation import cancellation, node_coefficients
-from gradlab.nodes import shared_nodes
+from gradlab.core.batch import TokenBatch, advantages
+from gradlab.core.cancellation import cancellation, node_coefficients
+from gradlab.core.nodes import shared_nodes
 from gradlab.probes import (
     DFPOGradientTransform,
     ModulationProbe,
@@ -350,13 +350,14 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     """The loop's cheap drift (rep rows, truncated forward) equals node_drift on full forwards."""
     import copy
 
-    from gradlab.config import RunConfig
-    from gradlab.metrics import StepMetrics
-    from gradlab.nodes import shared_nodes
-    from gradlab.policy import load_policy
-    from gradlab.rollout import generate, token_logps
-    from gradlab.task import ArithmeticTask
-    from gradlab.train import Learner, drift_step
+    from gradlab.core.nodes import shared_nodes
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.logprobs import token_logps
+    from gradlab.loop.metrics import StepMetrics
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.rollout import generate
+    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.train import Learner, drift_step
 
     model, tok = load_policy()
     task = ArithmeticTask()
@@ -388,12 +389,13 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
 
 def test_loop_tax_from_representative_rows_equals_learning_tax():
     """The loop's cheap g_tax (rep rows, truncated forward) equals learning_tax on the full graph."""
-    from gradlab.config import RunConfig
-    from gradlab.nodes import shared_nodes
-    from gradlab.policy import load_policy
-    from gradlab.rollout import generate, token_logps
-    from gradlab.task import ArithmeticTask
-    from gradlab.train import Learner, tax_step
+    from gradlab.core.nodes import shared_nodes
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.logprobs import token_logps
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.rollout import generate
+    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.train import Learner, tax_step
 
     model, tok = load_policy()
     model.train()

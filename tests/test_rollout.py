@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from gradlab.policy import build_tokenizer, load_policy, new_model
-from gradlab.rollout import Rollout, generate, score, token_logps
-from gradlab.task import ArithmeticTask
+from gradlab.loop.logprobs import token_logps
+from gradlab.loop.policy import build_tokenizer, load_policy, new_model
+from gradlab.loop.rollout import Rollout, generate, score
+from gradlab.loop.task import ArithmeticTask
 
 G = 4
 
@@ -146,8 +147,8 @@ def test_rollout_to_and_untrained_model(setup):
 
 def test_row_keyed_sampling_is_independent_of_batch_layout():
     """Rows sampled alone or in a bigger batch, in any order, get the same tokens (DDP shards)."""
-    from gradlab.policy import load_policy
-    from gradlab.task import ArithmeticTask
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.task import ArithmeticTask
 
     model, tok = load_policy()
     probs = ArithmeticTask().problems(3, seed=5)

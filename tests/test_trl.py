@@ -17,7 +17,7 @@ from trl import GRPOTrainer
 
 import gradlab
 from gradlab import objectives
-from gradlab.batch import TokenBatch
+from gradlab.core.batch import TokenBatch
 from gradlab.integrations import trl_audit
 from gradlab.integrations.trl import (
     GROUP_KEY,

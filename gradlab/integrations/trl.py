@@ -35,12 +35,12 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.trainer import grpo_trainer as _grpo_module
 
-from ..batch import TokenBatch, group_index
-from ..cancellation import cancellation
-from ..dfpo import SCOPES, TRANSFORMS
-from ..nodes import NODE_KINDS, SharedNodes, shared_nodes
+from ..core.batch import TokenBatch, group_index
+from ..core.cancellation import cancellation
+from ..core.dfpo import SCOPES, TRANSFORMS
+from ..core.nodes import NODE_KINDS, SharedNodes, shared_nodes
+from ..loop.store import RunStore
 from ..probes import DFPOGradientTransform, ModulationProbe
-from ..store import RunStore
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
 

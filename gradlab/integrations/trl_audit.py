@@ -60,7 +60,7 @@ def dataset_and_reward(workload: Workload, n: int, seed: int = 0):
     """(datasets.Dataset of n prompts, a TRL reward function) for a workload."""
     from datasets import Dataset
 
-    from ..task import ArithmeticTask, Problem
+    from ..loop.task import ArithmeticTask, Problem
 
     task = ArithmeticTask(difficulty=workload.difficulty)
     probs = task.problems(n, seed=seed)
@@ -86,7 +86,7 @@ def grpo_args(loss_type: str, level: str, spg: int, steps: int, out_dir: str, *,
     cispo (TRL's recommendation); `extra` overrides."""
     from trl import GRPOConfig
 
-    from ..task import ArithmeticTask
+    from ..loop.task import ArithmeticTask
 
     kw = dict(  # noqa: C408 (keyword style mirrors GRPOConfig)
         output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
@@ -110,7 +110,7 @@ def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = Tr
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
-    from ..policy import load_policy
+    from ..loop.policy import load_policy
     from .trl import GradlabGRPOTrainer
 
     model, tok = load_policy()
@@ -151,7 +151,7 @@ def quiet():
 
 def closed_form(loss_type: str, level: str, args):
     """gradlab's closed-form objective for a TRL setting, or None where gradlab has none."""
-    from .. import objectives
+    from ..core import objectives
 
     eps = (args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon)
     if level == "sequence":
@@ -165,8 +165,8 @@ def closed_form(loss_type: str, level: str, args):
 
 def pool_windows(windows: list, objective=None) -> dict[str, float]:
     """ρ's pooled over windows (Σ|d| / Σ|W|), split share, closed-form ρ and attribution."""
-    from ..cancellation import attribution, cancellation
-    from ..nodes import shared_nodes
+    from ..core.cancellation import attribution, cancellation
+    from ..core.nodes import shared_nodes
     from .trl import split_share, stepwise_residual
 
     acc = dict.fromkeys(("res", "mass", "res_step", "res_trie", "mass_trie", "res_cf", "mass_cf"), 0.0)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..batch import TokenBatch
-from ..nodes import SharedNodes
+from ..core.batch import TokenBatch
+from ..core.nodes import SharedNodes
 
 
 def entropy(logp: Tensor) -> Tensor:

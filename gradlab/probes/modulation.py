@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from ..batch import TokenBatch
+from ..core.batch import TokenBatch
 
 if TYPE_CHECKING:
     from typing_extensions import Self

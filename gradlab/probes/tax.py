@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..batch import TokenBatch
-from ..cancellation import node_coefficients
-from ..nodes import SharedNodes, shared_nodes
+from ..core.batch import TokenBatch
+from ..core.cancellation import node_coefficients
+from ..core.nodes import SharedNodes, shared_nodes
 from .modulation import check_logps
 
 GROUPS = ("embed", "attn", "mlp", "head", "norm", "other")

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from ..batch import TokenBatch
-from ..dfpo import SCOPES, TRANSFORMS, node_map, transform_weights
-from ..nodes import NODE_KINDS
+from ..core.batch import TokenBatch
+from ..core.dfpo import SCOPES, TRANSFORMS, node_map, transform_weights
+from ..core.nodes import NODE_KINDS
 from .modulation import check_logps
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class DFPOGradientTransform:
 
     batch: the step's TokenBatch (tokens, mask, advantages, group define the nodes; its logps
     are not used). transform "min" | "orth" | "scale" (factor), scope "shared" | "all",
-    nodes "prefix" | "trie", as in `gradlab.dfpo.DFPO`.
+    nodes "prefix" | "trie", as in `gradlab.core.objectives.DFPO`.
 
     weight (B, T): the base objective's w with W = A·w (e.g. `objectives.get("gspo").weight(
     batch)`). Given, W̃ − W = A(w̃ − w) is computed here, once, and the hook only adds it: no

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .batch import TokenBatch
 from .nodes import SharedNodes, shared_nodes
+from .objectives import MECHANISMS
 
 
 @dataclass
@@ -114,7 +115,6 @@ def attribution(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str
     switching a mechanism off increases the residual). Group splitting is a property of the
     batch, not of the objective: it is measured by the loop (share of split groups).
     """
-    from .objectives import MECHANISMS
 
     sn = shared_nodes(batch, nodes)
     res = cancellation(objective.modulation(batch), batch, sn=sn).residual

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 
 from .batch import TokenBatch
+from .dfpo import SCOPES, TRANSFORMS, node_map, transform_vjp, transform_weights
+from .nodes import NODE_KINDS, shared_nodes
 
 NORMS = ("seq", "token", "const")
 MECHANISMS = ("coupling", "length", "clip")
@@ -195,15 +197,12 @@ class GRPOFix(GRPO):
     def __init__(self, eps=(0.2, 0.2), nodes: str = "trie", max_len: int | None = None,
                  beta: float = 0.0) -> None:
         super().__init__(eps=eps, norm="const", max_len=max_len, beta=beta)
-        from .nodes import NODE_KINDS
 
         if nodes not in NODE_KINDS:
             raise ValueError(f"{self.name}: unknown nodes={nodes!r}; valid: {NODE_KINDS}")
         self.nodes = nodes
 
     def active(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
-        from .nodes import shared_nodes
-
         act = super().active(batch, ratio)
         sn = shared_nodes(batch, self.nodes)
         sh = sn.node >= 0
@@ -280,9 +279,78 @@ class GSPOToken(GSPO):
         return (per_token * self.norm(batch)).sum()
 
 
-def _registry() -> dict[str, Callable[..., Objective]]:
-    from .dfpo import DFPO
+class DFPO(Objective):
+    """DFPO over a base objective (default GSPO).
 
+    transform "min" | "orth" | "scale" (factor), scope "shared" | "all", nodes "prefix" | "trie",
+    stop_grad=False is the paper's "no stop-grad" ablation: the literal loss
+    L = −Σ A_i w̃_{i,t}(θ) l_{i,t} with gradients flowing through w̃ (through s_i and the min);
+    supported for base "gspo" only. The loss value with stop_grad=True equals the base
+    objective's loss value (the surrogate only changes the gradient).
+    """
+
+    name = "dfpo"
+
+    def __init__(self, base: str = "gspo", transform: str = "min", scope: str = "shared",
+                 nodes: str = "prefix", stop_grad: bool = True, factor: float = 0.5,
+                 eps=None, beta: float = 0.0) -> None:
+        super().__init__(beta)
+        bases = {"gspo": GSPO, "gspo-token": GSPOToken, "grpo": GRPO}
+        if base not in bases:
+            raise ValueError(f"dfpo: unknown base={base!r}; valid: {tuple(bases)}")
+        for arg, val, valid in (("transform", transform, TRANSFORMS), ("scope", scope, SCOPES),
+                                ("nodes", nodes, NODE_KINDS)):
+            if val not in valid:
+                raise ValueError(f"dfpo: unknown {arg}={val!r}; valid: {valid}")
+        if not stop_grad and base != "gspo":
+            raise ValueError("dfpo: stop_grad=False (the no-stop-grad ablation) needs base='gspo'")
+        self.base = bases[base](**({} if eps is None else {"eps": eps}))
+        self.transform, self.scope, self.nodes = transform, scope, nodes
+        self.stop_grad, self.factor = bool(stop_grad), float(factor)
+
+    def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        return self.base.norm(batch, off)
+
+    def stats(self, batch: TokenBatch) -> dict:
+        """The base objective's clip figures (a Min-Replace zero is not a clip)."""
+        return self.base.stats(batch)
+
+    def tilde(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> tuple[Tensor, Tensor]:
+        """(w, w̃), both (B, T); with a graph through w when grad."""
+        w = self.base.weight(batch, off, grad=grad)
+        node, n = node_map(batch, self.scope, self.nodes)
+        return w, transform_weights(w, batch.advantages, node, n, self.transform, self.factor)
+
+    def policy_loss(self, batch: TokenBatch) -> Tensor:
+        lp = _f(batch.logps)
+        adv = _f(batch.advantages).unsqueeze(-1)
+        if not self.stop_grad:
+            _, wt = self.tilde(batch, grad=True)
+            return -(adv * wt * lp * batch.mask).sum()
+        with torch.no_grad():
+            _, wt = self.tilde(batch)
+            value = self.base.policy_loss(batch)
+        # gradient −A w̃ on every token, value = the base loss (lp − sg(lp) is 0 in value)
+        return -(adv * wt * (lp - lp.detach())).sum() + value
+
+    def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        adv = _f(batch.advantages).unsqueeze(-1)
+        w, wt = self.tilde(batch, off)
+        W = adv * wt
+        if self.stop_grad:
+            return W
+        # No stop-grad: W_{j,u} += (w_j/T_j) · Σ_{i,t} A_i l_{i,t} ∂w̃_{i,t}/∂w_j on j's tokens
+        # (w_j = (1/B) s_j/T_j 1[active] is constant in t, ∂s_j/∂l_{j,u} = s_j/T_j).
+        v = adv * _f(batch.logps) * batch.mask  # cotangent of w̃
+        node, n = node_map(batch, self.scope, self.nodes)
+        adj = transform_vjp(v, batch.advantages, node, n, w, self.transform, self.factor)  # (B, T) = Σ over w̃ of v·∂w̃/∂w
+        T_i = batch.mask.sum(-1).clamp(min=1).to(W.dtype)
+        w_row = (w * batch.mask).sum(-1) / T_i  # (B,) the row's constant w_j
+        per_row = adj.sum(-1) * w_row / T_i  # (B,)
+        return W + per_row.unsqueeze(-1) * batch.mask
+
+
+def _registry() -> dict[str, Callable[..., Objective]]:
     return {
         "grpo": GRPO,
         "grpo-fix": GRPOFix,

@@ -14,11 +14,12 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from .batch import TokenBatch
-from .cancellation import attribution, node_coefficients
-from .nodes import shared_nodes
-from .probes import equal_solution_logodds, kl_rows
-from .rollout import generate, token_logps
+from ..core.batch import TokenBatch
+from ..core.cancellation import attribution, node_coefficients
+from ..core.nodes import shared_nodes
+from ..probes import equal_solution_logodds, kl_rows
+from .logprobs import token_logps
+from .rollout import generate
 
 
 class StepMetrics:

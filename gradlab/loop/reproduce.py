@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import plots
+from .. import viz as plots
 from .config import RunConfig
 from .store import load_run
 from .train import train

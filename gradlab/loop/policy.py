@@ -2,7 +2,7 @@
 
 The default policy (`load_policy()`) is a tiny Qwen3 warm-started on `ArithmeticTask(2)` until
 its temperature-1 accuracy lies in the 20-60 % band, shipped in `gradlab/data/default_policy/`.
-Regenerate it with:  python -m gradlab.policy  (calls `make_default_policy`).
+Regenerate it with:  python -m gradlab.loop.policy  (calls `make_default_policy`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from gradlab.rollout import generate, token_logps
-from gradlab.task import ArithmeticTask
+from .logprobs import token_logps
+from .rollout import generate
+from .task import ArithmeticTask
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parent.parent / "data"
 DEFAULT_POLICY_DIR = DATA_DIR / "default_policy"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # Printable ASCII without the exotic whitespace: covers the arithmetic task and most JSONL tasks.

@@ -21,15 +21,16 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from . import objectives
-from .batch import TokenBatch, advantages
+from ..core import objectives
+from ..core.batch import TokenBatch, advantages
+from ..probes import ModulationProbe, layer_groups, node_drift, shared_drift
+from ..probes.tax import reduce_tax, residual_grad_outputs, tax_from_reps, tax_report
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
+from .logprobs import token_logps
 from .metrics import StepMetrics, probe_metrics, probe_set
 from .policy import load_policy
-from .probes import ModulationProbe, layer_groups, node_drift, shared_drift
-from .probes.tax import reduce_tax, residual_grad_outputs, tax_from_reps, tax_report
-from .rollout import Rollout, generate, token_logps
+from .rollout import Rollout, generate
 from .store import RunStore
 from .task import get_task
 
@@ -239,7 +240,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     """Run the tandem (or same-batch) loop; returns the run store.
 
     Under torchrun (WORLD_SIZE > 1) every rank runs this function on its shard of the prompts
-    (gradlab.dist); rank 0 alone writes the store and checkpoints.
+    (gradlab.loop.dist); rank 0 alone writes the store and checkpoints.
     """
     D = setup(cfg.device)
     if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"):

@@ -68,8 +68,8 @@ class RunConfig:
 
 
 def validate(c: RunConfig) -> None:
-    from . import objectives
-    from .batch import ADVANTAGE_SCALES
+    from ..core import objectives
+    from ..core.batch import ADVANTAGE_SCALES
 
     if not c.objectives:
         raise ConfigError("--objectives: give at least one objective")

@@ -4,8 +4,9 @@ Layout, used everywhere in gradlab:
   prompts are left-padded   (N, P), responses are right-padded (N, T),
   rows are group-major: row i belongs to prompt i // G.
 Position ids are computed from the attention mask (cumsum - 1), so a left-padded row sees the
-same positions as the unpadded sequence; `token_logps` therefore reproduces the behaviour
-log-probs `old_logps` recorded by `generate` (tested to ~1e-5 in float32).
+same positions as the unpadded sequence; `gradlab.loop.logprobs.token_logps` therefore
+reproduces the behaviour log-probs `old_logps` recorded by `generate` (tested to ~1e-5 in
+float32).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+
+from .logprobs import positions as _positions
 
 
 @dataclass
@@ -57,11 +60,6 @@ def score(task, rollout: Rollout) -> torch.Tensor:
     r = [task.reward(p, t) for p, t in zip(rollout.problems, rollout.texts)]
     rollout.rewards = torch.tensor(r, dtype=torch.float32, device=rollout.response_ids.device)
     return rollout.rewards
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """(N, L) position ids from a (N, L) attention mask: 0 at the first real token."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _autocast(device: torch.device, amp: bool):
@@ -238,45 +236,3 @@ def _decode(tokenizer, response_ids, response_mask, eos_id) -> list[str]:
         tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
         for r, m in zip(response_ids.cpu(), keep.cpu())
     ]
-
-
-def token_logps(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    return_logprobs: bool = False,
-):
-    """Log-probs (nats) of the response tokens, with gradient, from one forward pass.
-
-    prompt_ids/prompt_mask: (N, P), left-padded; response_ids/response_mask: (N, T).
-    Returns logps (N, T) float32, 0 at masked positions. With return_entropy and/or
-    return_logprobs returns a tuple (logps, [entropy (N, T), 0 masked], [log-softmax (N, T, V)])
-    in that order, all at `temperature` (logits / temperature).
-    """
-    T = response_ids.shape[1]
-    ids = torch.cat([prompt_ids, response_ids], dim=1)  # (N, P + T)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask.long(),
-        position_ids=_positions(mask),
-        use_cache=False,
-        logits_to_keep=T + 1,
-    )
-    logits = out.logits[:, :-1].float() / temperature  # (N, T, V): position t predicts token t
-    logprobs = F.log_softmax(logits, dim=-1)
-    logps = logprobs.gather(-1, response_ids[..., None]).squeeze(-1)
-    logps = logps.masked_fill(~response_mask, 0.0)
-    if not (return_entropy or return_logprobs):
-        return logps
-    result = [logps]
-    if return_entropy:
-        ent = -(logprobs.exp() * logprobs).sum(-1)
-        result.append(ent.masked_fill(~response_mask, 0.0))
-    if return_logprobs:
-        result.append(logprobs)
-    return tuple(result)
