@@ -28,7 +28,8 @@ from gradlab.loop.logprobs import token_logps
 from gradlab.loop.metrics import StepMetrics
 from gradlab.loop.policy import build_tokenizer, load_policy, n_params, new_model
 from gradlab.loop.rollout import Rollout
-from gradlab.loop.train import Learner, optimizer_step
+from gradlab.loop.step import optimizer_step
+from gradlab.loop.train import Learner
 
 
 def make_rollout(vocab: int, groups: int, G: int, T: int, seed: int = 0) -> Rollout:

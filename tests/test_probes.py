@@ -356,8 +356,9 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     from gradlab.loop.metrics import StepMetrics
     from gradlab.loop.policy import load_policy
     from gradlab.loop.rollout import generate
+    from gradlab.loop.step import drift_step
     from gradlab.loop.task import ArithmeticTask
-    from gradlab.loop.train import Learner, drift_step
+    from gradlab.loop.train import Learner
 
     model, tok = load_policy()
     task = ArithmeticTask()
@@ -394,8 +395,9 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     from gradlab.loop.logprobs import token_logps
     from gradlab.loop.policy import load_policy
     from gradlab.loop.rollout import generate
+    from gradlab.loop.step import tax_step
     from gradlab.loop.task import ArithmeticTask
-    from gradlab.loop.train import Learner, tax_step
+    from gradlab.loop.train import Learner
 
     model, tok = load_policy()
     model.train()

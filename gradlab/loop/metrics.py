@@ -1,9 +1,8 @@
-"""Per-step metrics of the loop: accumulate on the device, sync once per rollout step.
+"""Per-step metrics of the loop: record numbers on the device, sync once per rollout step.
 
-`StepMetrics` collects, over the optimizer steps of one rollout batch, sums and counts (never
-averages of ratios): ρ = Σ residual / Σ mass over all the steps' nodes. `probe_set` fixes, at
-the start of a run, the shared contexts whose cumulative KL from the initial policy is tracked,
-and the two-solution problems whose log-odds are tracked (MATH.md §4).
+`StepMetrics` only records what the step and the probes hand it: over the optimizer steps of
+one rollout batch it keeps sums and counts (never averages of ratios), so ρ = Σ residual /
+Σ mass over all the steps' nodes, and combines data-parallel ranks in `finish`.
 """
 
 from __future__ import annotations
@@ -15,11 +14,6 @@ import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
-from ..core.cancellation import attribution, node_coefficients
-from ..core.nodes import shared_nodes
-from ..probes import equal_solution_logodds, kl_rows
-from .logprobs import token_logps
-from .rollout import generate
 
 
 class StepMetrics:
@@ -33,20 +27,12 @@ class StepMetrics:
         self.means: dict[str, list] = defaultdict(list)  # averaged at finish
         self.maxes: dict[str, list[Tensor]] = defaultdict(list)
         self.times: dict[str, float] = defaultdict(float)
-        self.last_prefix_nodes = None
 
     def time(self, what: str, since: float) -> None:
         self.times[f"time_{what}"] += time.perf_counter() - since
 
     def add_scalar(self, name: str, v) -> None:
         self.means[name].append(v.detach() if torch.is_tensor(v) else v)
-
-    def _residuals(self, prefix: str, W: Tensor, batch: TokenBatch, sns: dict) -> None:
-        for kind, sn in sns.items():
-            k = node_coefficients(W, batch, sn)
-            self.sums[f"{prefix}residual_{kind}"].append(k.d.abs().sum())
-            self.sums[f"{prefix}mass_{kind}"].append(k.mass.sum())
-            self.sums[f"{prefix}scale_{kind}"].append(k.scale.sum())
 
     def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
         """What any trainer logs: loss, clip figures, token entropy."""
@@ -56,23 +42,14 @@ class StepMetrics:
         for k, v in stats.items():
             self.add_scalar(k, v)
 
-    def add_step(self, obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool,
-                 others: list) -> None:
-        """Measured W of one optimizer step: residuals, shared fractions, W deviation."""
-        trie = shared_nodes(batch, "trie")
-        sns = {"prefix": trie.full_group(), "trie": trie}
-        self.last_prefix_nodes = sns["prefix"]
-        self._residuals("", W, batch, sns)
-        for kind, sn in sns.items():
-            self.sums[f"n_shared_{kind}"].append((sn.node >= 0).sum())
-        self.sums["entropy_shared_sum"].append((ent * (sns["prefix"].node >= 0)).sum())
-        self.maxes["w_dev"].append((W - obj.modulation(batch)).abs().max())
-        self.maxes["w_max"].append(W.abs().max())
-        for name, o in others:  # same-batch mode: the other objectives' W on this very batch
-            self._residuals(f"cf/{name}/", o.modulation(batch), batch, sns)
-        if heavy:
-            for mech, share in attribution(obj, batch, "prefix").items():
-                self.add_scalar(f"attr_{mech}", share)
+    def record(self, r) -> None:
+        """A `gradlab.probes.StepReadings` of one optimizer step: sums add, maxima max."""
+        for k, v in r.sums.items():
+            self.sums[k].append(v)
+        for k, v in r.maxes.items():
+            self.maxes[k].append(v)
+        for k, v in r.means.items():
+            self.add_scalar(k, v)
 
     def add_tax(self, d: dict) -> None:
         """`learning_tax` output: overall figures and tax_share/<layer group>."""
@@ -170,62 +147,4 @@ def _ratios(s: dict) -> dict:
         out["entropy"] = div(out.pop("entropy_sum"), n)
     if "entropy_shared_sum" in s:
         out["entropy_shared"] = div(out.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
-    return out
-
-
-@torch.no_grad()
-def probe_set(model, tok, task, cfg) -> dict:
-    """Fixed probe contexts drawn once from the initial policy (same for every objective).
-
-    contexts: the full-group shared nodes of a rollout of `probe_contexts` prompts; their
-    initial next-token log-probs are the reference of the cumulative drift KL.
-    forms: for the built-in task, prompts and their two solutions (form 0, form 1).
-    """
-    g = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 12345)
-    problems = task.problems(cfg.probe_contexts, seed=10**9 + cfg.seed)
-    max_new = cfg.max_new_tokens or task.max_new_tokens
-    ro = generate(model, tok, problems, cfg.G, max_new, cfg.temperature, g, amp=cfg.amp)
-    zeros = torch.zeros(ro.response_ids.shape, device=ro.response_ids.device)
-    b = TokenBatch(ro.response_ids, ro.response_mask, zeros, zeros,
-                   zeros[:, 0], ro.group, validate=False)
-    sn = shared_nodes(b, "prefix")
-    # keep one representative row per group, cut after the last shared position: the probe
-    # forward then costs a few tokens per prompt
-    reps = torch.unique(sn.rep)
-    t_max = int(sn.position.max()) + 1 if sn.n else 1
-    rows = (ro.prompt_ids[reps], ro.prompt_mask[reps], ro.response_ids[reps, :t_max],
-            ro.response_mask[reps, :t_max])
-    probes = {"rows": rows, "rep": torch.searchsorted(reps, sn.rep), "pos": sn.position}
-    probes["ref"] = _context_logprobs(model, probes, cfg) if sn.n else None
-    sols = [task.solutions(p) for p in problems]
-    if all(len(s) >= 2 for s in sols):
-        from .policy import encode_pairs
-
-        prompts = [p.prompt for p in problems]
-        probes["forms"] = [encode_pairs(tok, prompts, [s[k] for s in sols], device=cfg.device)
-                           for k in (0, 1)]
-    return probes
-
-
-def _context_logprobs(model, probes: dict, cfg) -> Tensor:
-    """(K, V) next-token log-probs at the probe contexts."""
-    _, logprobs = token_logps(model, *probes["rows"], cfg.temperature, return_logprobs=True)
-    return logprobs[probes["rep"], probes["pos"]]
-
-
-@torch.no_grad()
-def probe_metrics(model, probes: dict, cfg) -> dict:
-    """Cumulative KL from the initial policy at the probe contexts; equal-solution log-odds."""
-    was = model.training
-    model.eval()
-    out = {}
-    if probes["rep"].numel():
-        now = _context_logprobs(model, probes, cfg)
-        out["probe_kl"] = float(kl_rows(probes["ref"], now).mean())
-    if "forms" in probes:
-        seq = [token_logps(model, *enc, cfg.temperature).sum(-1) for enc in probes["forms"]]
-        lo, h = equal_solution_logodds(seq[0], seq[1])
-        out.update({"logodds": float(lo.mean()), "logodds_abs": float(lo.abs().mean()),
-                    "forms_entropy": float(h.mean())})
-    model.train(was)
     return out

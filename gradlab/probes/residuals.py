@@ -1,0 +1,64 @@
+"""What one optimizer step's measured W says (MATH.md §3), as numbers for the metrics to record.
+
+`measure_step` takes the hook-measured W of a step and returns `StepReadings`: residual, mass
+and scale sums at full-group (prefix) and trie nodes (ρ = Σ residual / Σ scale over a rollout
+step's nodes), shared-token counts, entropy at shared tokens, the deviation of W from the
+objective's closed form, and on heavy steps the mechanism attribution. Nothing is synced to the
+host here: sums stay tensors on the device until the metrics object reduces them once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from ..core.batch import TokenBatch
+from ..core.cancellation import attribution, node_coefficients
+from ..core.nodes import SharedNodes, shared_nodes
+
+
+@dataclass
+class StepReadings:
+    """Numbers of one optimizer step: `sums` add over steps and ranks, `maxes` take the max,
+    `means` average over steps. `prefix_nodes` are the step's full-group nodes (for tax/drift)."""
+
+    sums: dict[str, Tensor] = field(default_factory=dict)
+    maxes: dict[str, Tensor] = field(default_factory=dict)
+    means: dict[str, float] = field(default_factory=dict)
+    prefix_nodes: SharedNodes | None = None
+
+
+def residual_sums(W: Tensor, batch: TokenBatch, sns: dict[str, SharedNodes],
+                  prefix: str = "") -> dict[str, Tensor]:
+    """Σ|d|, Σ mass and Σ scale (the ρ normaliser) per node kind; W (B, T)."""
+    out = {}
+    for kind, sn in sns.items():
+        k = node_coefficients(W, batch, sn)
+        out[f"{prefix}residual_{kind}"] = k.d.abs().sum()
+        out[f"{prefix}mass_{kind}"] = k.mass.sum()
+        out[f"{prefix}scale_{kind}"] = k.scale.sum()
+    return out
+
+
+def measure_step(obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool = False,
+                 others: list | tuple = ()) -> StepReadings:
+    """Readings of the measured W (B, T) of one step of objective `obj` on `batch`.
+
+    ent: (B, T) token entropy (nats). others: (name, objective) pairs whose closed-form W on this
+    very batch is measured too (same-batch mode, keys `cf/<name>/...`).
+    """
+    trie = shared_nodes(batch, "trie")
+    sns = {"prefix": trie.full_group(), "trie": trie}
+    r = StepReadings(prefix_nodes=sns["prefix"])
+    r.sums.update(residual_sums(W, batch, sns))
+    for kind, sn in sns.items():
+        r.sums[f"n_shared_{kind}"] = (sn.node >= 0).sum()
+    r.sums["entropy_shared_sum"] = (ent * (sns["prefix"].node >= 0)).sum()
+    r.maxes["w_dev"] = (W - obj.modulation(batch)).abs().max()
+    r.maxes["w_max"] = W.abs().max()
+    for name, o in others:
+        r.sums.update(residual_sums(o.modulation(batch), batch, sns, f"cf/{name}/"))
+    if heavy:
+        r.means.update({f"attr_{m}": s for m, s in attribution(obj, batch, "prefix").items()})
+    return r
