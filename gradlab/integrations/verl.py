@@ -115,7 +115,16 @@ def micro_batch(responses: Tensor, uid: Sequence | Tensor, last: bool = False) -
 
 def reset() -> None:
     """Drop a half-gathered mini-batch (e.g. after an exception inside the update)."""
-    _state.micro, _state.mini = None, None
+    _state.micro, _state.mini, _state.last = None, None, None
+
+
+def last_modulation() -> tuple[Tensor, Tensor | None]:
+    """(W, W_base) of this thread's last gradlab loss call, (B, T) float64 in the loss's units:
+    W the modulation the backward uses (W̃ under DFPO), W_base verl's own (None when measuring)."""
+    last = getattr(_state, "last", None)
+    if last is None:
+        raise RuntimeError("gradlab verl: no gradlab loss call yet in this thread")
+    return last
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -291,6 +300,7 @@ def _measure_fn(base: str):
             response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
             rollout_is_weights=rollout_is_weights)
         W = _modulation(loss, log_prob)
+        _state.last = (W.double(), None)
         batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config, False, name)
         ours = _measure(W, batch, config, base, loss_agg_mode, None)
         ours.update(_record(batch, W, mb.last))
@@ -329,6 +339,7 @@ def _dfpo_fn(base: str, transform: str):
         W = _modulation(loss, log_prob)
         delta = dfpo_delta(W.double(), batch, transform, SETTINGS.nodes, SETTINGS.scope)
         W_t = W.double() + delta
+        _state.last = (W_t, W.double())
         extra = -(delta.to(log_prob.dtype) * log_prob).sum()  # gradient +delta·(−1) at log_prob
         out = loss + extra - extra.detach()
         ours = _measure(W_t, batch, config, base, loss_agg_mode, W.double())
