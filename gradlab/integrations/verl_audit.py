@@ -144,6 +144,7 @@ def audit_row(batches: dict, mode: str, agg: str) -> dict:
         key = f"{pol}_{grouping}" + ("_local" if norm == "local" else "")
         rhos, splits, devs = [], [], []
         for s, b in enumerate(batches[pol]):
+            torch.manual_seed(s)  # clip_cov / kl_cov choose tokens with the global RNG
             try:
                 m = run_mini_batch(b, name, agg, micro_rows(b.group, grouping == "split", s), norm)
             except ValueError as e:  # DFPO with a split group: the documented refusal
