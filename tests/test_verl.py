@@ -286,3 +286,71 @@ def test_audit_quick_writes_the_table(tmp_path):
     assert (d.rho_on_whole < 1e-9).all() and (d.rho_off_whole < 1e-9).all()
     md = (tmp_path / "verl_audit.md").read_text()
     assert "refused (split group)" in md and "gradlab audit verl --quick" in md
+
+
+def _micro_batch_td(model, ro, rows, adv, uid: bool, gbs: int):
+    """A real verl micro-batch TensorDict (dense layout, as verl's padded path) and the model
+    output verl's ppo_loss expects: packed log-probs, the response's sitting one token left."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from gradlab.loop.logprobs import token_logps
+
+    P = ro.prompt_ids.shape[1]
+    lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+                     ro.response_mask[rows])  # (R, T), with grad
+    att = torch.cat([ro.prompt_mask[rows], ro.response_mask[rows]], 1).long()
+    packed = []
+    for i in range(len(rows)):
+        p, r = int(att[i, :P].sum()), int(att[i, P:].sum())
+        z = torch.zeros(p + r, dtype=lp.dtype)
+        packed.append(torch.cat([z[: p - 1], lp[i, :r], z[-1:]]))
+    mask = ro.response_mask[rows]
+    td = TensorDict({"prompts": ro.prompt_ids[rows], "responses": ro.response_ids[rows],
+                     "attention_mask": att, "response_mask": mask.long(),
+                     "old_log_probs": ro.old_logps[rows],
+                     "advantages": adv[rows].unsqueeze(-1).expand(mask.shape).clone()},
+                    batch_size=[len(rows)])
+    if uid:
+        tu.assign_non_tensor_stack(td, "uid", [f"p{int(g)}" for g in ro.group[rows]])
+    for k, v in (("dp_size", 1), ("batch_num_tokens", None), ("global_batch_size", gbs)):
+        tu.assign_non_tensor_data(td, k, v)
+    return td, {"log_probs": torch.cat(packed)}, lp
+
+
+@needs_verl
+@pytest.mark.parametrize("uid", [True, False])
+def test_gradlab_ppo_loss_on_verl_real_ppo_loss(uid):
+    """verl's own ppo_loss, fed real TensorDict micro-batches of the tiny model: install() routes
+    it through gradlab_ppo_loss, which rebuilds groups (uid, or equal prompts) and closes the
+    mini-batch after global_batch_size rows; the loss is verl's, unchanged."""
+    from verl.workers.utils import losses
+
+    from gradlab.core.batch import advantages
+    from gradlab.integrations import verl_actor
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.rollout import generate
+    from gradlab.loop.task import ArithmeticTask
+
+    gv, actor_config = _setup()
+    assert losses.ppo_loss is verl_actor.gradlab_ppo_loss  # installed by the import
+    model, tok = load_policy()
+    task = ArithmeticTask()
+    ro = generate(model, tok, task.problems(2, seed=7), G=4, max_new_tokens=10,
+                  generator=torch.Generator().manual_seed(7), task=task)
+    adv = advantages(ro.rewards + 0.01 * (torch.arange(8) % 2), ro.group)
+    cfg = actor_config("gradlab_measure:vanilla")
+    gv.reset()
+    parts = [torch.tensor([0, 1, 2, 4, 5]), torch.tensor([3, 6, 7])]  # both groups split
+    for k, rows in enumerate(parts):
+        td, out, _ = _micro_batch_td(model, ro, rows, adv, uid, gbs=8)
+        ids = verl_actor._group_ids(td, len(rows))
+        assert ids[0] == ("p0" if uid else tuple(ro.prompt_ids[0][ro.prompt_mask[0]].tolist()))
+        assert len(set(ids)) == 2
+        loss, m = losses.ppo_loss(cfg, out, td)
+        ref, _ = verl_actor._ORIGINAL["ppo_loss"](actor_config("vanilla"), out, td)
+        assert float(loss) == pytest.approx(float(ref), rel=1e-6)
+        vals = {key: v.values[-1] if hasattr(v, "values") else v for key, v in m.items()}
+        assert ("gradlab/mini/rho_full" in vals) == (k == 1)
+    assert float(vals["gradlab/mini/split"]) == 1.0
+    assert float(vals["gradlab/mini/micro_batches"]) == 2.0

@@ -20,7 +20,9 @@ ids; shared-token nodes need both. The caller supplies them for each loss call w
         loss, metrics = policy_loss_fn(...)
 
 (uid: verl's per-prompt id, any hashable per row; `last` closes the mini-batch, whose figures are
-then added under `gradlab/mini/*`). Without it the gradlab losses raise a one-line error.
+then added under `gradlab/mini/*`). Importing this module does that for verl's actor: it routes
+verl's `ppo_loss` through `verl_actor.gradlab_ppo_loss`, which reads them from the micro-batch.
+Called some other way, without it, the gradlab losses raise a one-line error.
 
 How W is read — *our choice*: verl logs the metrics dict before the backward, so a hook (which
 fires in the backward) would come too late. W = −∂L/∂log_prob is taken inside the loss call by
@@ -378,3 +380,7 @@ def base_losses() -> list[str]:
 
 for _base in base_losses():
     register(_base)
+
+from .verl_actor import install as _install  # noqa: E402 (needs the names above)
+
+_install()  # verl's actor loss → gradlab_ppo_loss, which supplies micro_batch(...) (verl_actor)
