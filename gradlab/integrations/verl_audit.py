@@ -95,8 +95,9 @@ def synthetic_batches(seeds: int, off: bool) -> list[TokenBatch]:
 
 
 def tiny_model_batches(seeds: int, off: bool) -> list[TokenBatch]:
-    """The shipped tiny policy: N_GROUPS prompts × G samples (ArithmeticTask, strict reward);
-    off-policy = current log-probs after one AdamW step (lr 1e-3) on another rollout."""
+    """The shipped tiny policy (trained on 2-digit additions) on 3-digit additions, so response
+    lengths vary (as TRL audit's `lengths` workload): N_GROUPS prompts × G samples, strict
+    reward; off-policy = log-probs after one AdamW step (lr 2e-4, the loop's) on another rollout."""
     from ..core import objectives
     from ..core.batch import advantages
     from ..loop.logprobs import token_logps
@@ -105,20 +106,20 @@ def tiny_model_batches(seeds: int, off: bool) -> list[TokenBatch]:
     from ..loop.task import ArithmeticTask
     from ..testing import optimizer_step_on
 
-    task, out = ArithmeticTask(), []
+    task, out = ArithmeticTask(difficulty=3), []
     for s in range(seeds):
         model, tok = load_policy()
         gen = torch.Generator().manual_seed(s)
-        ro = generate(model, tok, task.problems(N_GROUPS, seed=s), G=G, max_new_tokens=12,
-                      generator=gen, task=task)
+        ro = generate(model, tok, task.problems(N_GROUPS, seed=s), G=G,
+                      max_new_tokens=task.max_new_tokens, generator=gen, task=task)
         rewards = ro.rewards.double() + 0.01 * (torch.arange(ro.group.numel()) % 2)  # no all-equal
         adv = advantages(rewards, ro.group)
         if off:
             other = generate(model, tok, task.problems(N_GROUPS, seed=100 + s), G=G,
-                             max_new_tokens=12, generator=gen, task=task)
+                             max_new_tokens=task.max_new_tokens, generator=gen, task=task)
             rows = torch.arange(other.group.numel())
             optimizer_step_on(model, other, rows, advantages(other.rewards + 0.01 * (rows % 2),
-                              other.group), objectives.get("grpo").loss, lr=1e-3)
+                              other.group), objectives.get("grpo").loss, lr=2e-4)
         with torch.no_grad():
             cur = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
                               ro.response_mask)
