@@ -216,7 +216,9 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
         "config.global_batch_info, the legacy dp_actor path of verl issue #5625); otherwise "
         "verl's engine normalisers from the whole mini-batch. 'W vs closed form' = max |W − "
         "W_gradlab| / max |W| off-policy, where gradlab has the loss in closed form (vanilla ↔ "
-        "grpo token/seq/const norm, gspo ↔ gspo). verl defaults: clip 0.2, dual clip 3.")
+        "grpo token/seq/const norm, gspo ↔ gspo; DFPO rows: the base loss's W). verl defaults: "
+        "clip 0.2, dual clip 3; dro_beta 0.1. clip_cov / kl_cov pick tokens with torch's global "
+        "RNG, seeded per batch.")
     if findings:
         out += ["", findings]
     return "\n".join(out) + "\n"
