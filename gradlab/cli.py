@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
                          add_help=False)
     chk.set_defaults(fn=lambda a: _delegate(DELEGATED["check"], a.rest))
-    aud = sub.add_parser("audit", help="audit a trainer's loss settings (gradlab audit trl)",
+    aud = sub.add_parser("audit", help="audit a trainer's loss settings (gradlab audit trl | verl)",
                          add_help=False)
     aud.set_defaults(fn=lambda a: _delegate(DELEGATED["audit"], a.rest))
     for sp in (chk, aud):
@@ -134,6 +134,8 @@ def _delegate(module: str, argv: list[str]) -> int:
     """Sub-commands that own their argument parsing: module.main(argv) -> exit code."""
     import importlib
 
+    if module == DELEGATED["audit"] and argv[:1] == ["verl"]:  # gradlab audit verl
+        module, argv = "gradlab.integrations.verl_audit", argv[1:]
     return importlib.import_module(module).main(argv)
 
 

@@ -1,0 +1,356 @@
+"""verl integration: gradlab_measure / gradlab_dfpo on verl's *real* policy losses, the audit.
+
+verl 0.9 pins transformers<5.11, this environment runs 5.24 (TRL), so verl is not installed here:
+.ci/run puts it (without dependencies) into .verl-site/, and `test_verl_cases_in_verl_env` runs
+this file again in a child python with that folder on PYTHONPATH, where the cases below run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = Path(os.environ.get("GRADLAB_VERL_SITE", ROOT / ".verl-site"))
+try:
+    from verl.trainer.ppo import core_algos
+
+    HAVE_VERL = True
+except ImportError:
+    HAVE_VERL = False
+
+needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl not importable here; these cases run "
+                                "in the child of test_verl_cases_in_verl_env")
+
+
+def test_verl_cases_in_verl_env():
+    """Runs this file's verl cases in a python that sees .verl-site (CI installs it)."""
+    if HAVE_VERL:
+        pytest.skip("verl importable in this process: the cases run here directly")
+    if not (SITE / "verl").is_dir():
+        pytest.skip(f"verl not installed: no {SITE}/verl (the verl block of .ci/run makes it)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]),
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-W", "ignore::UserWarning", str(Path(__file__))], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "failed" not in last and "error" not in last, r.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _setup():
+    from gradlab.integrations import verl as gv
+    from gradlab.integrations.verl_audit import actor_config
+
+    return gv, actor_config
+
+
+def _call(name, batch, rows=None, agg="token-mean", last=True, cfg=None, adv=None):
+    """One verl loss call through the registry on a leaf copy of the log-probs; returns
+    (loss, metrics, log_prob leaf) after the backward."""
+    gv, actor_config = _setup()
+    rows = torch.arange(batch.B) if rows is None else rows
+    cfg = cfg if cfg is not None else actor_config(name)
+    lp = batch.logps[rows].detach().clone().requires_grad_(True)
+    A = batch.advantages[rows].unsqueeze(-1).expand_as(lp) if adv is None else adv
+    with gv.micro_batch(batch.tokens[rows], batch.group[rows], last=last):
+        loss, m = core_algos.get_policy_loss_fn(name)(
+            old_log_prob=batch.old_logps[rows], log_prob=lp, advantages=A,
+            response_mask=batch.mask[rows], loss_agg_mode=agg, config=cfg, rollout_is_weights=None)
+    loss.backward()
+    return loss, m, lp
+
+
+def _base_grad(base, batch, agg, cfg, hook=None):
+    """verl's own loss (not gradlab's) on a leaf copy: (loss, grad at log_prob, hook)."""
+    lp = batch.logps.detach().clone().requires_grad_(True)
+    x = hook.watch(lp) if hook is not None else lp
+    A = batch.advantages.unsqueeze(-1).expand_as(lp)
+    loss, _ = core_algos.get_policy_loss_fn(base)(batch.old_logps, x, A, batch.mask, agg, cfg, None)
+    loss.backward()
+    return loss, lp.grad, hook
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@needs_verl
+def test_import_registers_every_base_loss():
+    gv, _ = _setup()
+    bases = gv.base_losses()
+    assert {"vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"} <= set(bases)
+    reg = core_algos.POLICY_LOSS_REGISTRY
+    for b in bases:
+        assert f"gradlab_measure:{b}" in reg and f"gradlab_dfpo:{b}" in reg
+        assert {f"gradlab_dfpo:{b}:{t}" for t in ("min", "orth", "scale")} <= set(reg)
+    assert reg["gradlab_dfpo"] is reg["gradlab_dfpo:vanilla:orth"]
+    with pytest.raises(ValueError, match="not a verl policy loss"):
+        gv.register("no_such_loss")
+
+
+@needs_verl
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                 "seq-mean-token-sum-norm"])
+def test_measure_leaves_verl_loss_unchanged_and_W_is_its_gradient(agg):
+    """Same value and gradient as verl's loss; W = what a hook on log_prob receives."""
+    from gradlab.probes import ModulationProbe
+    from gradlab.testing import random_batch
+
+    gv, actor_config = _setup()
+    b = random_batch(n_groups=3, G=4, T=12, seed=1, off_policy=0.5)
+    for base in gv.base_losses():
+        torch.manual_seed(0)  # clip_cov / kl_cov pick tokens at random
+        loss, m, lp = _call(f"gradlab_measure:{base}", b, agg=agg)
+        torch.manual_seed(0)
+        ref_loss, ref_grad, probe = _base_grad(base, b, agg, actor_config(base), ModulationProbe())
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12, abs=1e-15), base
+        torch.testing.assert_close(lp.grad, ref_grad, rtol=1e-12, atol=1e-15)
+        W, W_base = gv.last_modulation()
+        assert W_base is None
+        torch.testing.assert_close(W, probe.W.double(), rtol=1e-12, atol=1e-15)
+        assert {"gradlab/rho_full", "gradlab/rho_trie", "gradlab/mini/rho_full",
+                "gradlab/split_micro"} <= set(m), base
+        if base == "vanilla":  # verl's own metrics pass through
+            assert "actor/pg_clipfrac" in m
+
+
+@needs_verl
+def test_W_matches_gradlab_closed_form():
+    """vanilla ↔ gradlab grpo (token / seq / const norm), gspo ↔ gradlab gspo: W_dev ≈ 0."""
+    from gradlab.testing import random_batch
+
+    b = random_batch(n_groups=3, G=4, T=12, seed=2, off_policy=0.1)
+    for base, agg in (("vanilla", "token-mean"), ("vanilla", "seq-mean-token-mean"),
+                      ("vanilla", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean")):
+        _, m, _ = _call(f"gradlab_measure:{base}", b, agg=agg)
+        assert m["gradlab/W_dev"] < 1e-10, (base, agg)
+    _, m, _ = _call("gradlab_measure:vanilla", b, agg="seq-mean-token-sum")
+    assert "gradlab/W_dev" not in m  # gradlab has no closed form for it
+
+
+@needs_verl
+@pytest.mark.parametrize("base", ["vanilla", "gspo", "cispo", "geo_mean"])
+def test_dfpo_on_verl_loss_cancels_and_equals_the_trl_dropin_hook(base):
+    """Whole groups: ρ(W̃) ≈ 0 at full-group nodes; the gradient at log_prob equals that of
+    gradlab's DFPOGradientTransform hook on verl's own loss (the TRL drop-in's mechanism)."""
+    from gradlab.probes import DFPOGradientTransform
+    from gradlab.testing import random_batch
+
+    _, actor_config = _setup()
+    b = random_batch(n_groups=3, G=4, T=12, seed=3, off_policy=0.4)
+    agg = "seq-mean-token-mean"  # the base does not cancel here
+    loss, m, lp = _call(f"gradlab_dfpo:{base}", b, agg=agg)
+    assert m["gradlab/rho_full"] < 1e-9 and m["gradlab/mini/rho_full"] < 1e-9
+    assert m["gradlab/rho_full_base"] > 0.05
+    ref_loss, ref_grad, t = _base_grad(base, b, agg, actor_config(base),
+                                       DFPOGradientTransform(b, "orth"))
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)  # verl's value
+    torch.testing.assert_close(lp.grad, ref_grad, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(_setup()[0].last_modulation()[0], t.W_tilde.double())
+
+
+@needs_verl
+def test_split_group_with_micro_batch_local_normaliser_breaks_cancellation():
+    """verl issue #5625: token-mean, on-policy, groups cut across micro-batches. verl's engine
+    normalisers (mini-batch totals) cancel; micro-batch-local ones do not. The mini-batch ρ
+    reported equals ρ of the W's of the calls, concatenated (an independent computation)."""
+    from gradlab.core.cancellation import cancellation
+    from gradlab.integrations.verl_audit import micro_rows, run_mini_batch
+    from gradlab.testing import random_batch
+
+    gv, _ = _setup()
+    b = random_batch(n_groups=4, G=4, T=12, seed=4, off_policy=0.0)
+    parts = micro_rows(b.group, split=True, seed=0)
+    out = {}
+    for norm in ("engine", "local"):
+        Ws = []
+        orig = gv._record
+
+        def spy(batch, W, last, orig=orig, Ws=Ws):
+            Ws.append(W.clone())
+            return orig(batch, W, last)
+
+        gv._record = spy
+        try:
+            m = run_mini_batch(b, "gradlab_measure:vanilla", "token-mean", parts, norm)
+        finally:
+            gv._record = orig
+        order = torch.cat(parts)
+        W = torch.zeros(b.tokens.shape, dtype=torch.float64)
+        W[order] = torch.cat(Ws)
+        assert m["gradlab/mini/rho_full"] == pytest.approx(cancellation(W, b, "prefix").ratio,
+                                                           abs=1e-12)
+        assert m["gradlab/mini/split"] == 1.0
+        out[norm] = m["gradlab/mini/rho_full"]
+    assert out["engine"] < 1e-9
+    assert out["local"] > 0.05
+
+
+@needs_verl
+def test_on_the_tiny_model_W_and_dfpo_through_a_real_backward():
+    """Real Qwen3 tiny policy: W of gradlab_measure:gspo = the hook on the model's log-probs in
+    the real backward; gradlab_dfpo:vanilla's parameter gradient = that of −Σ sg(W̃)·l."""
+    from gradlab.core.batch import TokenBatch, advantages
+    from gradlab.core.cancellation import cancellation
+    from gradlab.loop.logprobs import token_logps
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.rollout import generate
+    from gradlab.loop.task import ArithmeticTask
+    from gradlab.probes import ModulationProbe
+
+    gv, actor_config = _setup()
+    model, tok = load_policy()
+    task = ArithmeticTask()
+    ro = generate(model, tok, task.problems(2, seed=5), G=4, max_new_tokens=10,
+                  generator=torch.Generator().manual_seed(5), task=task)
+    adv = advantages(ro.rewards + 0.01 * (torch.arange(8) % 2), ro.group)
+    A = adv.unsqueeze(-1).expand(ro.response_ids.shape)
+
+    def logps():
+        return token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
+
+    def verl_call(name, lp):
+        with gv.micro_batch(ro.response_ids, ro.group, last=True):
+            return core_algos.get_policy_loss_fn(name)(ro.old_logps, lp, A, ro.response_mask,
+                                                       "seq-mean-token-mean", actor_config(name))
+
+    model.train()
+    with ModulationProbe() as probe:
+        lp = probe.watch(logps())
+        loss, m = verl_call("gradlab_measure:gspo", lp)
+        loss.backward()
+    torch.testing.assert_close(gv.last_modulation()[0], probe.W.double(), rtol=1e-6, atol=1e-9)
+    model.zero_grad()
+    loss, m = verl_call("gradlab_dfpo:vanilla", logps())
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    W_t = gv.last_modulation()[0]
+    z = torch.zeros_like(ro.old_logps)
+    batch = TokenBatch(ro.response_ids, ro.response_mask, z, z, adv, ro.group)
+    assert cancellation(W_t, batch, sn=None).ratio < 1e-6 and m["gradlab/rho_full"] < 1e-6
+    model.zero_grad()
+    (-(W_t.float() * logps()).sum()).backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-7)
+
+
+@needs_verl
+def test_clear_errors():
+    from gradlab.testing import random_batch
+
+    gv, actor_config = _setup()
+    b = random_batch(n_groups=2, G=4, T=8, seed=6)
+    lp = b.logps.clone().requires_grad_(True)
+    A = b.advantages.unsqueeze(-1).expand_as(lp)
+    fn = core_algos.get_policy_loss_fn("gradlab_measure:vanilla")
+    with pytest.raises(ValueError, match="gradlab_measure:vanilla: no token/group ids.*micro_batch"):
+        fn(b.old_logps, lp, A, b.mask, "token-mean", actor_config("vanilla"), None)
+    with pytest.raises(ValueError, match="responses are \\(8, 7\\), log_prob is \\(8, 8\\)"):
+        with gv.micro_batch(b.tokens[:, :7], b.group):
+            fn(b.old_logps, lp, A, b.mask, "token-mean", actor_config("vanilla"), None)
+    with pytest.raises(ValueError, match="uid has 3 entries, responses has 8 rows"):
+        with gv.micro_batch(b.tokens, ["a", "b", "c"]):
+            pass
+    gv.reset()
+    rows = torch.tensor([0, 1, 2, 3, 4])  # cuts a group
+    with pytest.raises(ValueError, match="group uid=.* of its rollout_n=4 rows in this loss call"):
+        _call("gradlab_dfpo", b, rows=rows)
+    gv.reset()
+    Atok = A + 0.1 * torch.arange(8.0, dtype=A.dtype)  # token-level advantages (e.g. GAE)
+    with pytest.raises(ValueError, match="advantages vary along a response"):
+        _call("gradlab_dfpo", b, adv=Atok)
+    gv.reset()
+
+
+@needs_verl
+def test_audit_quick_writes_the_table(tmp_path):
+    import pandas as pd
+
+    from gradlab.cli import main
+
+    assert main(["audit", "verl", "--quick", "--seeds", "2", "--out", str(tmp_path)]) == 0
+    df = pd.read_csv(tmp_path / "verl_audit.csv")
+    assert len(df) == 4 * 4  # (vanilla, gspo, 2 DFPO rows) × 4 loss_agg_modes
+    tm = df[(df.loss_mode == "vanilla") & (df.loss_agg_mode == "token-mean")].iloc[0]
+    assert tm.rho_on_split < 1e-9 and tm.rho_on_split_local > 0.05
+    d = df[df.loss_mode.str.startswith("gradlab_dfpo")]
+    assert (d.rho_on_whole < 1e-9).all() and (d.rho_off_whole < 1e-9).all()
+    md = (tmp_path / "verl_audit.md").read_text()
+    assert "refused (split group)" in md and "gradlab audit verl --quick" in md
+
+
+def _micro_batch_td(model, ro, rows, adv, uid: bool, gbs: int):
+    """A real verl micro-batch TensorDict (dense layout, as verl's padded path) and the model
+    output verl's ppo_loss expects: packed log-probs, the response's sitting one token left."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from gradlab.loop.logprobs import token_logps
+
+    P = ro.prompt_ids.shape[1]
+    lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+                     ro.response_mask[rows])  # (R, T), with grad
+    att = torch.cat([ro.prompt_mask[rows], ro.response_mask[rows]], 1).long()
+    packed = []
+    for i in range(len(rows)):
+        p, r = int(att[i, :P].sum()), int(att[i, P:].sum())
+        z = torch.zeros(p + r, dtype=lp.dtype)
+        packed.append(torch.cat([z[: p - 1], lp[i, :r], z[-1:]]))
+    mask = ro.response_mask[rows]
+    td = TensorDict({"prompts": ro.prompt_ids[rows], "responses": ro.response_ids[rows],
+                     "attention_mask": att, "response_mask": mask.long(),
+                     "old_log_probs": ro.old_logps[rows],
+                     "advantages": adv[rows].unsqueeze(-1).expand(mask.shape).clone()},
+                    batch_size=[len(rows)])
+    if uid:
+        tu.assign_non_tensor_stack(td, "uid", [f"p{int(g)}" for g in ro.group[rows]])
+    for k, v in (("dp_size", 1), ("batch_num_tokens", None), ("global_batch_size", gbs)):
+        tu.assign_non_tensor_data(td, k, v)
+    return td, {"log_probs": torch.cat(packed)}, lp
+
+
+@needs_verl
+@pytest.mark.parametrize("uid", [True, False])
+def test_gradlab_ppo_loss_on_verl_real_ppo_loss(uid):
+    """verl's own ppo_loss, fed real TensorDict micro-batches of the tiny model: install() routes
+    it through gradlab_ppo_loss, which rebuilds groups (uid, or equal prompts) and closes the
+    mini-batch after global_batch_size rows; the loss is verl's, unchanged."""
+    from verl.workers.utils import losses
+
+    from gradlab.core.batch import advantages
+    from gradlab.integrations import verl_actor
+    from gradlab.loop.policy import load_policy
+    from gradlab.loop.rollout import generate
+    from gradlab.loop.task import ArithmeticTask
+
+    gv, actor_config = _setup()
+    assert losses.ppo_loss is verl_actor.gradlab_ppo_loss  # installed by the import
+    model, tok = load_policy()
+    task = ArithmeticTask()
+    ro = generate(model, tok, task.problems(2, seed=7), G=4, max_new_tokens=10,
+                  generator=torch.Generator().manual_seed(7), task=task)
+    adv = advantages(ro.rewards + 0.01 * (torch.arange(8) % 2), ro.group)
+    cfg = actor_config("gradlab_measure:vanilla")
+    gv.reset()
+    parts = [torch.tensor([0, 1, 2, 4, 5]), torch.tensor([3, 6, 7])]  # both groups split
+    for k, rows in enumerate(parts):
+        td, out, _ = _micro_batch_td(model, ro, rows, adv, uid, gbs=8)
+        ids = verl_actor._group_ids(td, len(rows))
+        assert ids[0] == ("p0" if uid else tuple(ro.prompt_ids[0][ro.prompt_mask[0]].tolist()))
+        assert len(set(ids)) == 2
+        loss, m = losses.ppo_loss(cfg, out, td)
+        ref, _ = verl_actor._ORIGINAL["ppo_loss"](actor_config("vanilla"), out, td)
+        assert float(loss) == pytest.approx(float(ref), rel=1e-6)
+        vals = {key: v.values[-1] if hasattr(v, "values") else v for key, v in m.items()}
+        assert ("gradlab/mini/rho_full" in vals) == (k == 1)
+    assert float(vals["gradlab/mini/split"]) == 1.0
+    assert float(vals["gradlab/mini/micro_batches"]) == 2.0
