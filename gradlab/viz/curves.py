@@ -36,7 +36,7 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
     ncol = 2
     nrow = max(1, (len(have) + 1) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(11, 3.2 * nrow), squeeze=False)
-    for ax, (m, title) in zip(axes.flat, have):
+    for ax, (m, label) in zip(axes.flat, have):
         d = tidy[tidy["metric"] == m].copy()
         if smooth > 1:
             d["value"] = d.groupby(["run", "objective", "seed"])["value"].transform(
@@ -49,7 +49,7 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
             ax.set_yscale("log")
             ax.axhspan(floor / 10, floor, color="0.85", zorder=0, label="float round-off")
             ax.set_ylim(bottom=floor / 10)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(label, fontsize=10)
         ax.set_xlabel("rollout tokens consumed" if x == "tokens" else x)
         ax.set_ylabel("")
         ax.legend(fontsize=7)
