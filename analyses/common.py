@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, no
 
 from gradlab.loop.config import RunConfig  # noqa: E402
 from gradlab.loop.store import load_run  # noqa: E402
+from gradlab.viz.seeds import align_tokens  # noqa: E402, F401  (figure3 imports it from here)
 
 # Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
 QUICK = dict(steps=2, prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=1,
@@ -82,25 +83,6 @@ def load_seeds(root: str | Path) -> pd.DataFrame:
     """The tidy table of every run folder under root (one per seed), `time_*` metrics dropped."""
     tidy = load_run(root)
     return tidy[~tidy["metric"].str.startswith("time_")].reset_index(drop=True)
-
-
-def align_tokens(tidy: pd.DataFrame, n: int = 40) -> pd.DataFrame:
-    """Put every (run, objective, seed) curve on one token grid per objective by linear
-    interpolation, so seeds can be averaged at equal compute (tokens differ with response
-    lengths). Grid: n points from the largest first-step count to the smallest final count
-    over the objective's runs. Same tidy columns; `tokens` becomes the grid value.
-    """
-    out = []
-    for obj, d in tidy.dropna(subset=["value"]).groupby("objective", sort=False):
-        ends = d.groupby(["run", "seed"])["tokens"].agg(["min", "max"])
-        lo, hi = float(ends["min"].max()), float(ends["max"].min())
-        grid = np.linspace(lo, hi, n) if hi > lo else np.array([hi])
-        for (run, seed, metric), c in d.groupby(["run", "seed", "metric"]):
-            c = c.sort_values("tokens")
-            v = np.interp(grid, c["tokens"].to_numpy(float), c["value"].to_numpy(float))
-            out.append(pd.DataFrame({"run": run, "objective": obj, "seed": seed, "step": np.nan,
-                                     "tokens": grid, "metric": metric, "value": v}))
-    return pd.concat(out, ignore_index=True) if out else tidy.iloc[:0]
 
 
 def bootstrap_ci(x, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
