@@ -188,3 +188,19 @@ def record_trace(L, ro, rows: Tensor, batch: TokenBatch, W: Tensor | None) -> No
     tracer = getattr(L, "tracer", None)
     if tracer is not None:
         tracer.record(ro, rows, batch, W, L.objective)
+
+
+def trace_window(run: str | Path, objective: str, window, tok=None, groups: int = 2) -> Path | None:
+    """Trace one TRL window (gradlab.integrations.trl.Window) like a loop step: step = the
+    window index, opt_step = the trainer's optimizer step of each row. TRL's loss has no gradlab closed
+    form here, so W_closed is NaN and clip False (the hook-measured W is TRL's own)."""
+    b = window.batch
+    labels = torch.unique(b.group)[:groups]
+    keep = torch.isin(b.group, labels).nonzero().squeeze(-1)
+    w = TraceWriter(run, 1, groups, tok)
+    w.begin(objective, int(window.index))
+    if keep.numel():
+        cols = token_rows(b, window.W, None, keep, row_in_group(b.group))
+        cols["opt_step"] = window.opt[keep].unsqueeze(-1).expand(-1, b.T)[b.mask[keep]].cpu().numpy()
+        w._parts.append(cols)
+    return w.end()
