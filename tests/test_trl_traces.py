@@ -21,7 +21,7 @@ def test_trl_windows_are_traced(tmp_path):
     assert set(df["step"]) == {w.index for w in tr.gradlab_windows} == {0, 1}
     assert df["group"].nunique() == 2 and set(df["opt_step"]) == {0, 1, 2, 3}  # TRL optimizer steps
     last = tr.gradlab_windows[-1]
-    d = df[df["step"] == last.index]
+    d = df[df["step"] == last.index].sort_values(["group", "row", "position"])  # window order
     keep = np.isin(last.batch.group.numpy(), sorted(d["group"].unique()))
     # the traced W is the window's hook-measured W, token for token (rows in window order)
     assert np.allclose(d["W"].to_numpy(), last.W.numpy()[keep][last.batch.mask.numpy()[keep]])
