@@ -17,6 +17,7 @@ if __package__ in (None, ""):
 
 from analyses.common import FIGURES, ROOT, set_threads
 from gradlab.loop.config import RunConfig
+from gradlab.loop.traces import load_traces
 from gradlab.viz.html import view
 
 DEMO = dict(steps=8, prompts=4, G=4, minibatches=2, probe_contexts=4, tax_every=4, trace_every=2,
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
 
         train(RunConfig(out=str(run), **DEMO))
     page = view(run, run / "view.html")
+    # shown: the latest traced (step, group) of the objective with mixed rewards (W ≠ 0)
+    t = load_traces(run, objective=a.objective)
+    live = t[t["A"] != 0]
+    step, group = live.sort_values(["step", "group"]).iloc[-1][["step", "group"]].astype(int)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -43,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         pg = b.new_page(viewport={"width": 1100, "height": 800})
         pg.goto(page.as_uri())
         pg.select_option("#objective", a.objective)
-        steps = pg.eval_on_selector_all("#step option", "os => os.map(o => o.value)")
-        pg.select_option("#step", steps[-1])
-        pg.hover("#strips .tok >> nth=6")
-        pg.locator("#nav").scroll_into_view_if_needed()
+        pg.select_option("#step", str(step))
+        pg.select_option("#group", str(group))
+        pg.hover("#strips .tok >> nth=14")
+        top = pg.evaluate("document.querySelectorAll('h2')[1].getBoundingClientRect().top"
+                          " + window.scrollY")
+        bottom = pg.evaluate("document.getElementById('detail').getBoundingClientRect().bottom"
+                             " + window.scrollY")
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pg.screenshot(path=a.out, clip={"x": 0, "y": pg.evaluate("window.scrollY") - 40,
-                                        "width": 1100, "height": 420})
+        pg.screenshot(path=a.out, full_page=True, clip={"x": 0, "y": top - 8, "width": 1100,
+                                                        "height": bottom - top + 20})
         b.close()
     print(f"wrote {a.out} from {page}")
     return 0

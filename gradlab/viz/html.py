@@ -83,7 +83,7 @@ h1{font-size:18px} #curves svg{max-width:100%;height:auto}
 .lab{width:120px;font-size:12px;color:#555} .tok{display:inline-block;min-width:18px;
 padding:3px 2px;margin:1px;text-align:center;font-family:monospace;border:1px solid #ddd;
 cursor:default} .tok.full{border-bottom:3px solid #4C72B0} .tok.subset{border-bottom:3px solid #A6C8E8}
-.tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
+.tok:hover{outline:2px solid #000} .tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
 padding:8px;min-height:3em;margin-top:8px}
 """
 
