@@ -13,6 +13,8 @@ import math
 import numbers
 from pathlib import Path
 
+from .config import ConfigError
+
 ID_KEYS = ("step", "objective", "seed", "tokens")
 
 
@@ -31,22 +33,25 @@ class LiveLogger:
     """`kinds`: comma-separated "tensorboard", "trackio" ("" = off). `log(rec)` per record."""
 
     def __init__(self, kinds: str, run: str | Path, config: dict | None = None,
-                 write: bool = True) -> None:
+                 write: bool = True, start: int = 0) -> None:
+        """start: first rollout step of this process; on resume TensorBoard drops the events
+        of steps ≥ start written before the crash (purge_step), like the run store."""
         self.kinds = [k for k in kinds.split(",") if k] if write else []
-        self.run, self.config = Path(run), config or {}
+        self.run, self.config, self.start = Path(run), config or {}, start
         self._tb: dict[str, object] = {}
         self._trackio: dict[str, object] = {}
         if "tensorboard" in self.kinds:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-            except ImportError as e:
-                raise ImportError("--log tensorboard needs the tensorboard package: "
-                                  "pip install 'gradlab[live]'") from e
+            except ImportError:
+                raise ConfigError("--log tensorboard: the tensorboard package is not installed "
+                                  "(pip install 'gradlab[live]')") from None
         if "trackio" in self.kinds:
             try:
                 import trackio  # noqa: F401
-            except ImportError as e:
-                raise ImportError("--log trackio needs the trackio package: pip install trackio") from e
+            except ImportError:
+                raise ConfigError("--log trackio: the trackio package is not installed "
+                                  "(pip install trackio)") from None
 
     def log(self, rec: dict) -> None:
         """Stream one (step, objective) record; flushed so a live viewer sees it now."""
@@ -65,7 +70,8 @@ class LiveLogger:
     def _tb_writer(self, obj: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb[obj] = SummaryWriter(log_dir=str(self.run / "tb" / obj))
+        self._tb[obj] = SummaryWriter(log_dir=str(self.run / "tb" / obj),
+                                      purge_step=self.start or None)
         return self._tb[obj]
 
     def _trackio_run(self, obj: str):

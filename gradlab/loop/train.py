@@ -126,7 +126,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     start = _resume(store, learners, D) if resume else 0
     tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
-    live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main)
+    live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
         L.model = D.wrap(L.model)
         L.tracer = tracer
