@@ -26,3 +26,8 @@ def test_trl_windows_are_traced(tmp_path):
     # the traced W is the window's hook-measured W, token for token (rows in window order)
     assert np.allclose(d["W"].to_numpy(), last.W.numpy()[keep][last.batch.mask.numpy()[keep]])
     assert d["W_closed"].isna().all() and not d["clip"].any()
+
+
+def test_trace_options_are_checked():
+    with pytest.raises(ValueError, match="trace_every=-1"):
+        GradlabConfig(trace_every=-1)

@@ -80,6 +80,9 @@ class GradlabConfig:
             if getattr(self, name) not in valid:
                 shown = "≥ 1" if name == "every" else valid
                 raise ValueError(f"GradlabConfig: {name}={getattr(self, name)!r}; valid: {shown}")
+        if min(self.trace_every, self.trace_groups) < 0:
+            raise ValueError(f"GradlabConfig: trace_every={self.trace_every}, trace_groups="
+                             f"{self.trace_groups}; valid: ≥ 0 (0 = no traces)")
 
 
 @dataclass
