@@ -83,7 +83,7 @@ h1{font-size:18px} #curves svg{max-width:100%;height:auto}
 .lab{width:120px;font-size:12px;color:#555} .tok{display:inline-block;min-width:18px;
 padding:3px 2px;margin:1px;text-align:center;font-family:monospace;border:1px solid #ddd;
 cursor:default} .tok.full{border-bottom:3px solid #4C72B0} .tok.subset{border-bottom:3px solid #A6C8E8}
-.tok:hover{outline:2px solid #000} .tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
+.tok:hover{outline:2px solid #000} .sum{font-size:11px;margin:1px 3px;color:#4C72B0} .tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
 padding:8px;min-height:3em;margin-top:8px}
 """
 
@@ -95,7 +95,7 @@ PAGE = """<!DOCTYPE html>
 <h2>Token strips (hook-measured W per token)</h2>
 <p>Colour: W (blue &lt; 0 &lt; red, scaled to the largest |W| of the objective at that step);
 underline: dark blue = shared by the whole group, light blue = by a subset; dashed box = clipped.
-Hover a token for its numbers.</p>
+Hover a token for its numbers. Last row: Σ_i W at each full-group shared position.</p>
 <div id="nav"><label>objective <select id="objective"></select></label>
 <label>step <select id="step"></select></label><label>group <select id="group"></select></label>
 <span id="count"></span></div>
@@ -148,6 +148,17 @@ function draw() {
     t.addEventListener("mouseenter", () => show(d, i));
     rowDiv.appendChild(t);
   });
+  // Σ_i W over the group at each full-group shared position (0 up to round-off = cancels)
+  const sums = {};
+  d.W.forEach((w, i) => { if (d.prefix_node[i] >= 0) sums[d.position[i]] = (sums[d.position[i]] || 0) + w; });
+  const sumDiv = document.createElement("div"); sumDiv.className = "row";
+  const lab = document.createElement("span"); lab.className = "lab"; lab.textContent = "\u03a3_i W (full-group)";
+  sumDiv.appendChild(lab);
+  Object.keys(sums).forEach((p) => {
+    const c = document.createElement("span"); c.className = "sum"; c.textContent = Number(sums[p]).toExponential(1);
+    sumDiv.appendChild(c);
+  });
+  strips.appendChild(sumDiv);
   $("count").textContent = `${d.W.length} tokens`;
 }
 function steps() { fill($("step"), Object.keys(DATA[$("objective").value] || {}).sort((a, b) => a - b)); groups(); }
