@@ -25,8 +25,9 @@ def strip_table(traces: pd.DataFrame, step: int | None = None, group: int | None
                 objectives: list[str] | None = None, opt_step: int | None = None) -> pd.DataFrame:
     """The strip table of one traced group: panels = objectives (same step and group label).
 
-    Defaults: the first traced step, the group with the most full-group shared tokens there,
-    every objective, the group's optimizer step. Under a tandem the groups of step 0 are the same
+    Defaults: the first traced step; the group (a rule, not a pick) with mixed rewards whose
+    largest relative residual |Σ_i W| / Σ|W| at a full-group node, over the objectives, is
+    largest — where the objectives differ — then the most full-group tokens; every objective. Under a tandem the groups of step 0 are the same
     samples for every objective, so the panels compare objectives on identical tokens.
     """
     t = traces
@@ -35,7 +36,7 @@ def strip_table(traces: pd.DataFrame, step: int | None = None, group: int | None
     if objectives is not None:
         t = t[t["objective"].isin(objectives)]
     if group is None:
-        group = int((t["prefix_node"] >= 0).groupby(t["group"]).sum().idxmax())
+        group = _telling_group(t)
     t = t[t["group"] == group]
     if opt_step is not None:
         t = t[t["opt_step"] == opt_step]
@@ -52,6 +53,18 @@ def strip_table(traces: pd.DataFrame, step: int | None = None, group: int | None
     })
     df.attrs.update(step=step, group=group, rho=node_rho(df))
     return df
+
+
+def _telling_group(t: pd.DataFrame) -> int:
+    """The default group of `strip_table` (see there)."""
+    full = t[t["prefix_node"] >= 0].assign(absW=lambda d: d["W"].abs())
+    mixed = t.groupby("group")["A"].apply(lambda a: bool((a != 0).any()))
+    n_full = (t["prefix_node"] >= 0).groupby(t["group"]).sum()
+    nodes = full.groupby(["objective", "group", "opt_step", "prefix_node"])[["W", "absW"]].sum()
+    rel = (nodes["W"].abs() / nodes["absW"].where(nodes["absW"] > 0)).fillna(0)
+    worst = rel.groupby(level="group").max().reindex(n_full.index, fill_value=0)
+    score = pd.DataFrame({"mixed": mixed, "worst": worst, "n": n_full}).fillna(0)
+    return int(score.sort_values(["mixed", "worst", "n"], ascending=False).index[0])
 
 
 def node_rho(df: pd.DataFrame) -> dict:
