@@ -35,6 +35,8 @@ def strip_table(traces: pd.DataFrame, step: int | None = None, group: int | None
     t = t[t["step"] == step]
     if objectives is not None:
         t = t[t["objective"].isin(objectives)]
+    if t.empty:
+        raise ValueError(f"strip_table: no traced tokens at step={step}")
     if group is None:
         group = _telling_group(t)
     t = t[t["group"] == group]
