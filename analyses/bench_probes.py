@@ -7,6 +7,8 @@ Same batch, same objective (GSPO), same model, measured side by side and interle
   bare   forward → loss → backward → clip → AdamW step (what a trainer does)
   cheap  + hook-measured W, W deviation from closed form, residuals at prefix and trie nodes,
          entropy, drift at the step's shared nodes (gradlab's every-step tier)
+  traced cheap + the token traces of 2 groups written to Parquet (a step the loop traces:
+         every `--trace-every` rollout steps; amortised share = (traced − cheap) / trace_every)
   heavy  + parameter-space tax g_tax (one extra backward), mechanism attribution, drift at
          every position (the scheduled tier, `--tax-every`)
 Prints medians (s) and the ratios to bare.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -29,6 +32,7 @@ from gradlab.loop.metrics import StepMetrics
 from gradlab.loop.policy import build_tokenizer, load_policy, n_params, new_model
 from gradlab.loop.rollout import Rollout
 from gradlab.loop.step import optimizer_step
+from gradlab.loop.traces import TraceWriter
 from gradlab.loop.train import Learner
 
 
@@ -56,7 +60,16 @@ def bare_step(L: Learner, ro: Rollout, adv: torch.Tensor) -> None:
     L.opt.zero_grad(set_to_none=True)
 
 
-def bench(model, groups: int, G: int, T: int, repeats: int) -> dict[str, float]:
+def traced_step(L: Learner, cfg, ro, adv, rows, tracer) -> None:
+    """The cheap tier on a traced step: the loop's tracer records and writes 2 groups."""
+    L.tracer = tracer
+    tracer.begin(L.name, 0)
+    optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist())
+    tracer.end()
+    L.tracer = None
+
+
+def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[str, float]:
     vocab = model.config.vocab_size
     ro = make_rollout(vocab, groups, G, T)
     with torch.no_grad():  # behaviour log-probs a little off the current policy
@@ -67,9 +80,11 @@ def bench(model, groups: int, G: int, T: int, repeats: int) -> dict[str, float]:
                 torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
     cfg = RunConfig(progress=False, drift=True)
     rows = torch.arange(ro.group.numel())
+    tracer = TraceWriter(tempfile.mkdtemp(prefix="bench_traces"), 1, cfg.trace_groups, tok)
     tiers = {
         "bare": lambda: bare_step(L, ro, adv),
         "cheap": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist()),
+        "traced": lambda: traced_step(L, cfg, ro, adv, rows, tracer),
         "heavy": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), True, [], Dist()),
     }
     times: dict[str, list[float]] = {k: [] for k in tiers}
@@ -97,14 +112,16 @@ def main() -> None:
     tok = build_tokenizer()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {a.groups}×{a.G} "
           f"sequences × {a.T} response tokens; medians of {a.repeats}")
-    print("| model | params | bare (s) | cheap (s) | heavy (s) | cheap / bare | heavy / bare |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | params | bare (s) | cheap (s) | traced (s) | heavy (s) | cheap / bare | "
+          "traced / bare | heavy / bare |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         model = load_policy()[0] if name == "tiny" else new_model(tok, name)
         model.train()
-        t = bench(model, a.groups, a.G, a.T, a.repeats)
+        t = bench(model, a.groups, a.G, a.T, a.repeats, tok)
         print(f"| {name} | {n_params(model) / 1e6:.2f} M | {t['bare']:.3f} | {t['cheap']:.3f} | "
-              f"{t['heavy']:.3f} | {t['cheap'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× |")
+              f"{t['traced']:.3f} | {t['heavy']:.3f} | {t['cheap'] / t['bare']:.2f}× | "
+              f"{t['traced'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× |")
 
 
 if __name__ == "__main__":

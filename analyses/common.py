@@ -1,4 +1,5 @@
-"""Shared helpers of the analysis scripts (figure2, figure3, ablations) and the notebooks.
+"""Shared helpers of the analysis scripts (figure2, figure3, ablations); drawing and the
+notebooks' helpers live in gradlab.viz.
 
 Every training-based figure reads the run store's tidy table (`gradlab.load_run`): columns
 run, objective, seed, step, tokens, metric, value. Helpers here train seeds into run folders,
@@ -22,6 +23,7 @@ if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, no
 
 from gradlab.loop.config import RunConfig  # noqa: E402
 from gradlab.loop.store import load_run  # noqa: E402
+from gradlab.viz.seeds import align_tokens  # noqa: E402, F401  (figure3 imports it from here)
 
 # Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
 QUICK = dict(steps=2, prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=1,
@@ -83,25 +85,6 @@ def load_seeds(root: str | Path) -> pd.DataFrame:
     return tidy[~tidy["metric"].str.startswith("time_")].reset_index(drop=True)
 
 
-def align_tokens(tidy: pd.DataFrame, n: int = 40) -> pd.DataFrame:
-    """Put every (run, objective, seed) curve on one token grid per objective by linear
-    interpolation, so seeds can be averaged at equal compute (tokens differ with response
-    lengths). Grid: n points from the largest first-step count to the smallest final count
-    over the objective's runs. Same tidy columns; `tokens` becomes the grid value.
-    """
-    out = []
-    for obj, d in tidy.dropna(subset=["value"]).groupby("objective", sort=False):
-        ends = d.groupby(["run", "seed"])["tokens"].agg(["min", "max"])
-        lo, hi = float(ends["min"].max()), float(ends["max"].min())
-        grid = np.linspace(lo, hi, n) if hi > lo else np.array([hi])
-        for (run, seed, metric), c in d.groupby(["run", "seed", "metric"]):
-            c = c.sort_values("tokens")
-            v = np.interp(grid, c["tokens"].to_numpy(float), c["value"].to_numpy(float))
-            out.append(pd.DataFrame({"run": run, "objective": obj, "seed": seed, "step": np.nan,
-                                     "tokens": grid, "metric": metric, "value": v}))
-    return pd.concat(out, ignore_index=True) if out else tidy.iloc[:0]
-
-
 def bootstrap_ci(x, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
     """(mean, lo, hi): percentile bootstrap of the mean over the values x (e.g. one per seed).
     With one value the interval is that value; with 3 seeds it is crude (say so in tables)."""
@@ -143,60 +126,3 @@ def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 77
 
     model, tok, task, _ = load_run_policy(run, objective)
     return evaluate(model, tok, task, n=n, seed=seed)["accuracy"]
-
-
-# ----------------------------------------------------------------------------- notebooks
-
-
-def tiny_run(path: str | Path, objectives=("grpo", "gspo", "dfpo-min", "dfpo-orth"),
-             steps: int = 3) -> Path:
-    """A tiny tandem run (seconds) for notebooks without $GRADLAB_RUN; reused if present."""
-    from gradlab.loop.train import train
-
-    path = Path(path)
-    if not (path / "metrics.jsonl").exists():
-        train(RunConfig(out=str(path), objectives=list(objectives),
-                        **{**QUICK, "steps": steps, "ckpt_every": steps}))
-    return path
-
-
-def first_run(path: str | Path) -> Path:
-    """`path` if it is a run folder, else its first sub-folder that is one (a seeds folder)."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return path
-    runs = sorted(p.parent for p in path.glob("*/config.json"))
-    if not runs:
-        raise FileNotFoundError(f"no run folder (config.json) at or under {path}")
-    return runs[0]
-
-
-def rollout_from_samples(run: str | Path, objective: str, step: int, model, tok):
-    """The group logged in samples.jsonl at (objective, step), re-encoded as a `Rollout` whose
-    old_logps are `model`'s (so a measurement under `model` is on-policy). Responses get EOS
-    appended (a truncated response gains one). Returns (rollout, advantages (G,))."""
-    import json
-
-    from gradlab.core.batch import advantages
-    from gradlab.loop.logprobs import token_logps
-    from gradlab.loop.policy import encode_pairs
-    from gradlab.loop.rollout import Rollout
-    from gradlab.loop.task import Problem
-
-    recs = [json.loads(x) for x in (Path(run) / "samples.jsonl").read_text().splitlines() if x]
-    rec = next(r for r in recs if r["objective"] == objective and r["step"] == step)
-    G = len(rec["responses"])
-    pi, pm, ri, rm = encode_pairs(tok, [rec["prompt"]] * G, rec["responses"])
-    with torch.no_grad():
-        old = token_logps(model, pi, pm, ri, rm)
-    ro = Rollout(pi, pm, ri, rm, old, torch.zeros(G, dtype=torch.long), rec["responses"],
-                 [Problem(rec["prompt"], "")] * G, rewards=torch.tensor(rec["rewards"]))
-    return ro, advantages(ro.rewards, ro.group)
-
-
-def mixed_steps(run: str | Path, objective: str) -> list[int]:
-    """Steps whose logged group (samples.jsonl) has unequal rewards, i.e. a non-zero W."""
-    import json
-
-    recs = [json.loads(x) for x in (Path(run) / "samples.jsonl").read_text().splitlines() if x]
-    return [r["step"] for r in recs if r["objective"] == objective and len(set(r["rewards"])) > 1]

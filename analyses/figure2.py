@@ -15,6 +15,9 @@ duplicated) and no GRPO clip active on its rows ("no clip active").
     python analyses/figure2.py            # → figures/figure2.png, figures/figure2.csv
     python analyses/figure2.py --quick --out /tmp/f2.png
 
+Drawing: `gradlab.viz.token_strips` (the same strips `gradlab view` and the explore notebook
+draw from a run's token traces), with MATH.md §5's caption under the strips.
+
 Data (figure2.csv): one row per (panel, row, position): panel, objective, row, position,
 token_id, char, shared ("full" | "subset" | "none"), W, advantage, reward, text, clip_frac.
 """
@@ -45,6 +48,7 @@ from gradlab.core.cancellation import attribution, cancellation
 from gradlab.core.nodes import shared_nodes
 from gradlab.loop.rollout import generate
 from gradlab.testing import measure_on_model, optimizer_step_on
+from gradlab.viz.strips import CAPTION, group_sums, token_strips
 
 PANELS = [  # (title, objective name, parameters)
     ("(a) GRPO, constant normalisation", "grpo", {"norm": "const"}),
@@ -52,7 +56,6 @@ PANELS = [  # (title, objective name, parameters)
     ("(c) DFPO Min-Replace", "dfpo-min", {}),
     ("(d) DFPO Orth-Proj", "dfpo-orth", {}),
 ]
-COLORS = {"full": "#4C72B0", "subset": "#A6C8E8", "none": "#F28E2B"}
 
 
 def off_policy_step(model, tok, task, prompts: int, G: int, seed: int, lr: float):
@@ -151,16 +154,6 @@ def _char(tok, tid: int) -> str:
     return "␣" if s == " " else s
 
 
-def group_sums(df: pd.DataFrame) -> pd.DataFrame:
-    """Σ_i W_{i,t} over the group at each full-group shared position: panel, position, char,
-    sum, mass (Σ|W|). From the measured W in `df` only."""
-    d = df[df["shared"] == "full"].copy()
-    d["absW"] = d["W"].abs()
-    out = d.groupby(["panel", "position"], sort=False).agg(
-        char=("char", "first"), sum=("W", "sum"), mass=("absW", "sum")).reset_index()
-    return out
-
-
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per panel: Σ_i W at each full-group shared position (they are listed in order), the
     largest |Σ|, Σ|W| there, ρ of the group and the loss's clip fraction on the minibatch."""
@@ -175,46 +168,12 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def draw(df: pd.DataFrame) -> plt.Figure:
-    """2×2 panels of token strips with W (scaled) under each token and the Σ row."""
+    """2×2 panels of token strips (gradlab.viz.token_strips) with MATH.md §5's caption."""
     scale = 10.0 ** -np.floor(np.log10(df["W"].abs().max() or 1.0))
-    sums = group_sums(df)
-    panels = list(dict.fromkeys(df["panel"]))
-    G, T = df["row"].max() + 1, df["position"].max() + 1
-    fig, axes = plt.subplots(2, 2, figsize=(0.62 * T * 2 + 2, 0.7 * (G + 2) * 2))
-    for ax, title in zip(axes.flat, panels):
-        _panel(ax, df[df["panel"] == title], sums[sums["panel"] == title], scale, G, T)
-        s = sums[sums["panel"] == title]
-        ax.set_title(f"{title}\nmax |Σ_i W| at shared tokens = {s['sum'].abs().max():.1e}  "
-                     f"(ρ = {df.attrs.get('rho', {}).get(title, np.nan):.2g}, "
-                     f"minibatch clip frac {df[df['panel'] == title]['clip_frac'].iloc[0]:.3f})",
-                     fontsize=9)
-    fig.suptitle(f"Measured W (×{scale:.0e}) on one group of a real off-policy step, prompt "
-                 f"{df.attrs.get('prompt', '')!r}: blue = shared by the whole group, light "
-                 "blue = by a subset, orange = divergent", fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
-def _panel(ax, d: pd.DataFrame, s: pd.DataFrame, scale: float, G: int, T: int) -> None:
-    for r in d.itertuples():
-        y = -r.row * 1.1
-        ax.add_patch(plt.Rectangle((r.position, y), 0.92, 0.55, color=COLORS[r.shared]))
-        ax.text(r.position + 0.46, y + 0.27, r.char, ha="center", va="center",
-                fontsize=6 if r.char == "EOS" else 9, color="white" if r.shared == "full" else "k")
-        w = "0" if r.W == 0 else f"{r.W * scale:+.2f}"  # exactly 0: clipped / min-replaced
-        ax.text(r.position + 0.46, y - 0.2, w, ha="center", va="center", fontsize=6)
-    for i, a in d.groupby("row")[["advantage", "reward"]].first().iterrows():
-        ax.text(-0.3, -i * 1.1 + 0.27, f"A={a.advantage:+.2f} R={a.reward:.0f}", ha="right",
-                va="center", fontsize=7)
-    y = -G * 1.1 - 0.1
-    ax.text(-0.3, y, "Σ_i W", ha="right", va="center", fontsize=8, weight="bold")
-    for r in s.itertuples():
-        v = "0" if r.sum == 0 else f"{r.sum * scale:+.2f}"
-        ax.text(r.position + 0.46, y, v, ha="center", va="center",
-                fontsize=7, weight="bold", color=COLORS["full"])
-    ax.set_xlim(-3.2, T + 0.2)
-    ax.set_ylim(y - 0.5, 0.8)
-    ax.axis("off")
+    title = (f"Measured W (×{scale:.0e}) on one group of a real off-policy step, prompt "
+             f"{df.attrs.get('prompt', '')!r}: blue = shared by the whole group, light "
+             "blue = by a subset, orange = divergent")
+    return token_strips(df, title=title, caption=CAPTION)
 
 
 def main(argv: list[str] | None = None) -> int:

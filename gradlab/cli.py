@@ -1,4 +1,4 @@
-"""The `gradlab` command: run, tandem, reproduce, table, check, audit.
+"""The `gradlab` command: run, tandem, reproduce, table, view, check, audit.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
 Bad options get a one-line error naming the option and its valid values.
@@ -24,6 +24,9 @@ HELP = {
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "drift": "drift at each step's shared contexts (a small extra forward per step)",
+    "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
+    "trace_groups": "groups traced per traced rollout step",
+    "log": "live logging while training: tensorboard and/or trackio (comma-separated)",
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }
@@ -101,6 +104,13 @@ def cmd_table(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(a: argparse.Namespace) -> int:
+    from .viz.html import view
+
+    print(f"wrote {view(a.run, a.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     tab.add_argument("--seed", type=int, default=0)
     tab.add_argument("--off-policy", type=float, default=0.3)
     tab.set_defaults(fn=cmd_table)
+    view = sub.add_parser("view", help="one self-contained HTML page of a run (curves, token strips)")
+    view.add_argument("run", help="run folder")
+    view.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
+    view.set_defaults(fn=cmd_view)
     chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
                          add_help=False)
     chk.set_defaults(fn=lambda a: _delegate(DELEGATED["check"], a.rest))

@@ -1,22 +1,20 @@
-"""Every notebook runs headless (nbclient) on a tiny run and no cell errors."""
+"""Every notebook runs headless (nbclient) on a fresh tiny run, importing `gradlab` alone."""
 
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from gradlab.viz import resolve_run, tiny_run
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def run(tmp_path_factory):
     import torch
-
-    from analyses.common import tiny_run
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -26,24 +24,38 @@ def tiny_run(tmp_path_factory):
         torch.set_num_threads(n)
 
 
-def test_notebooks_exist_without_outputs():
+def test_notebooks_exist_without_outputs_and_import_gradlab_only():
     assert {p.name for p in NOTEBOOKS} >= {"explore.ipynb", "reproduce.ipynb"}
     for p in NOTEBOOKS:
         nb = nbformat.read(p, as_version=4)
+        src = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+        assert "sys.path" not in src and "analyses" not in src, p.name
         for c in nb.cells:
             if c.cell_type == "code":
                 assert not c.outputs and c.execution_count is None, f"{p.name} has outputs"
 
 
+def test_run_paths_resolve_relative_to_the_repository(tmp_path, monkeypatch):
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")  # where a notebook's kernel runs
+    assert resolve_run("runs/x") == (tmp_path / "runs" / "x").resolve()
+    assert resolve_run(str(tmp_path / "runs" / "x")) == (tmp_path / "runs" / "x").resolve()
+    with pytest.raises(FileNotFoundError, match="runs/nope"):
+        resolve_run("runs/nope")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, tiny_run, monkeypatch):
-    monkeypatch.setenv("GRADLAB_RUN", str(tiny_run))
+def test_notebook_runs(path, run, monkeypatch):
+    monkeypatch.setenv("GRADLAB_RUN", str(run))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the kernel inherits the environment
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=180, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError naming the cell on any error
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
-    assert not errors
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 4, f"{path.name}: only {len(images)} figures drawn"

@@ -40,6 +40,7 @@ from ..core.cancellation import cancellation
 from ..core.dfpo import SCOPES, TRANSFORMS
 from ..core.nodes import NODE_KINDS, SharedNodes, shared_nodes
 from ..loop.store import RunStore
+from ..loop.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
@@ -57,6 +58,8 @@ class GradlabConfig:
     trie: also report ρ at trie nodes. keep_windows: keep every `Window` in
         `trainer.gradlab_windows` (the last one is always in `trainer.gradlab_window`).
     objective: label in the run store (default "trl-<loss_type>-<level>[+dfpo-<t>]").
+    trace_every, trace_groups: token traces (gradlab.load_traces) of every k-th measured window
+        for that many groups, in the run store (0 = none).
     """
 
     store: str | None = "auto"
@@ -68,6 +71,8 @@ class GradlabConfig:
     keep_windows: bool = False
     objective: str | None = None
     resume: bool = False
+    trace_every: int = 1
+    trace_groups: int = 2
 
     def __post_init__(self) -> None:
         for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
@@ -75,6 +80,9 @@ class GradlabConfig:
             if getattr(self, name) not in valid:
                 shown = "≥ 1" if name == "every" else valid
                 raise ValueError(f"GradlabConfig: {name}={getattr(self, name)!r}; valid: {shown}")
+        if min(self.trace_every, self.trace_groups) < 0:
+            raise ValueError(f"GradlabConfig: trace_every={self.trace_every}, trace_groups="
+                             f"{self.trace_groups}; valid: ≥ 0 (0 = no traces)")
 
 
 @dataclass
@@ -376,6 +384,9 @@ class GradlabMixin:
                 "step": w.index, "objective": self._gl_label(), "seed": self.args.seed,
                 "tokens": self._gl_tokens, "iteration": w.iteration,
                 "global_step": self.state.global_step, **w.metrics})
+            if self.gradlab.trace_every and w.index % self.gradlab.trace_every == 0:  # loop/traces.py
+                trace_window(self.gradlab_store.path, self._gl_label(), w, self.processing_class,
+                             self.gradlab.trace_groups)
 
     def _gl_assemble(self, parts: list[dict], gen: dict) -> Window | None:
         """Scatter the loss calls' rows back into generation-batch order (and gather ranks)."""

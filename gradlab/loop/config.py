@@ -50,6 +50,9 @@ class RunConfig:
     drift: bool = True
     probe_contexts: int = 16
     progress: bool = True
+    trace_every: int = 10
+    trace_groups: int = 2
+    log: str = ""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -90,6 +93,8 @@ def validate(c: RunConfig) -> None:
         ("grad_clip", c.grad_clip > 0, "> 0"),
         ("ckpt_every", c.ckpt_every >= 1, "≥ 1"),
         ("tax_every", c.tax_every >= 0, "≥ 0 (0 = never)"),
+        ("trace_every", c.trace_every >= 0, "≥ 0 (0 = no token traces)"),
+        ("trace_groups", c.trace_groups >= 0, "≥ 0"),
         ("difficulty", 1 <= c.difficulty <= 9, "in 1..9"),
         ("max_new_tokens", c.max_new_tokens is None or 1 <= c.max_new_tokens <= 4096,
          "in 1..4096 or unset (the task's default)"),
@@ -101,6 +106,9 @@ def validate(c: RunConfig) -> None:
     if c.minibatches > units:
         what = "responses" if c.split_groups else "prompts (groups stay whole)"
         raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
+    bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
+    if bad_log:
+        raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
     if c.mode not in MODES:
         raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
     if c.mode == "same-batch" and not c.probes:

@@ -19,6 +19,7 @@ from .dist import Dist, unwrap
 from .logprobs import token_logps
 from .metrics import StepMetrics
 from .rollout import Rollout
+from .traces import record_trace
 
 
 def amp_context(cfg: RunConfig):
@@ -76,6 +77,7 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
         readings = measure_step(L.objective, batch, probe.W, ent.detach(), heavy, others)
         acc.record(readings)
         sn = readings.prefix_nodes
+    record_trace(L, ro, rows, batch, probe.W)  # token traces (loop/traces.py), on traced steps
     D.fix_grads(L.model)
     if cfg.probes and heavy:
         tax = tax_step(L, cfg, ro, rows, batch, probe.W, sn)

@@ -24,6 +24,7 @@ from ..core import objectives
 from ..core.batch import advantages
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
+from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
 from .probeset import probe_metrics, probe_set
@@ -31,6 +32,7 @@ from .rollout import Rollout, generate
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
 from .task import get_task
+from .traces import TraceWriter
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Learner:
     opt: torch.optim.Optimizer
     gen: torch.Generator
     tokens: int = 0  # response tokens consumed so far
+    tracer: TraceWriter | None = None  # token traces (loop/traces.py)
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
@@ -122,17 +125,23 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     learners = make_learners(cfg, model, trained)
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     start = _resume(store, learners, D) if resume else 0
+    tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
+    live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
         L.model = D.wrap(L.model)
+        L.tracer = tracer
     bar = tqdm(range(start, cfg.steps), desc="train", disable=not (cfg.progress and D.main),
                initial=start, total=cfg.steps)
     for step in bar:
         post = {}
         for L in learners:
             t0 = time.perf_counter()
+            tracer.begin(L.name, step)
             rec, ro = rollout_step(L, cfg, task, tok, step, probes, others, D)
+            tracer.end()
             rec["time_step"] = time.perf_counter() - t0
             store.log(rec)
+            live.log(rec)
             store.log({"step": step, "objective": L.name, "prompt": ro.problems[0].prompt,
                        "responses": ro.texts[: cfg.G], "rewards": ro.rewards[: cfg.G].tolist()},
                       "samples.jsonl")
@@ -145,6 +154,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
                                       {"step": step + 1, "tokens": L.tokens},
                                       {"gen": L.gen.get_state()})
             D.barrier()
+    live.close()
     D.close()
     return store
 

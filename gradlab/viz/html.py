@@ -1,0 +1,174 @@
+"""`gradlab view RUN`: one self-contained HTML page of a run (no server, no network).
+
+The page holds the training curves as inline SVG (drawn by `training_curves`) and every traced
+step's token strips (gradlab.load_traces) as JSON read by a small inline script: pick an
+objective, a step and a group; each token is coloured by its hook-measured W (blue < 0 < red,
+scaled to the largest |W| of that objective and step) and hovering shows W measured and in closed
+form, A, r, s, the prefix/trie node and the clip flag. Nothing is fetched: no CDN, no fonts.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from .curves import CURVES, plt, training_curves
+from .runs import run_title
+
+FIELDS = ["row", "position", "text", "W", "W_closed", "A", "r", "s", "prefix_node",
+          "trie_node", "trie_size", "clip", "opt_step"]
+
+
+def curves_svg(tidy: pd.DataFrame) -> str:
+    """The run's training curves (x = rollout step) as an inline <svg> element."""
+    d = tidy[~tidy["metric"].astype(str).str.startswith("time_")]
+    have = [c for c in CURVES if c[0] in set(d["metric"])]
+    if not have:
+        return "<p>no curves in this run</p>"
+    fig = training_curves(d, have, x="step", log=("rho_prefix", "rho_trie"))
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]
+
+
+def trace_payload(traces: pd.DataFrame) -> dict:
+    """{objective: {step: {group: {field: [values]}}}}, token rows in (row, position) order."""
+    out: dict = {}
+    t = traces.sort_values(["objective", "step", "group", "row", "position"], kind="stable")
+    for (obj, step, g), d in t.groupby(["objective", "step", "group"], sort=False):
+        cols = {}
+        for f in FIELDS:
+            vals = [x.item() if hasattr(x, "item") else x for x in d[f].tolist()]
+            cols[f] = [None if isinstance(x, float) and not math.isfinite(x) else x for x in vals]
+        out.setdefault(str(obj), {}).setdefault(str(int(step)), {})[str(int(g))] = cols
+    return out
+
+
+def render(title: str, svg: str, payload: dict) -> str:
+    """The page: title, curves, navigation, strips and hover details, all inline."""
+    data = json.dumps(payload, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
+    return PAGE.format(title=html.escape(title), svg=svg, data=data, script=SCRIPT, style=STYLE)
+
+
+def view(run: str | Path, out: str | Path | None = None) -> Path:
+    """Write the page of run folder `run` (default RUN/view.html); returns its path."""
+    from ..loop.store import load_run
+    from ..loop.traces import load_traces
+
+    run = Path(run)
+    if not (run / "config.json").exists():
+        raise FileNotFoundError(f"{run} is not a run folder (no config.json)")
+    svg = curves_svg(load_run(run)) if (run / "metrics.jsonl").exists() else "<p>no metrics</p>"
+    try:
+        payload = trace_payload(load_traces(run))
+    except FileNotFoundError:
+        payload = {}
+    out = Path(out) if out is not None else run / "view.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(run_title(run), svg, payload), encoding="utf-8")
+    return out
+
+
+STYLE = """
+body{font:14px system-ui,sans-serif;margin:16px;color:#222}
+h1{font-size:18px} #curves svg{max-width:100%;height:auto}
+#nav label{margin-right:14px} .row{display:flex;align-items:center;margin:3px 0}
+.lab{width:120px;font-size:12px;color:#555} .tok{display:inline-block;min-width:18px;
+padding:3px 2px;margin:1px;text-align:center;font-family:monospace;border:1px solid #ddd;
+cursor:default} .tok.full{border-bottom:3px solid #4C72B0} .tok.subset{border-bottom:3px solid #A6C8E8}
+.tok:hover{outline:2px solid #000} .sum{font-size:11px;margin:1px 3px;color:#4C72B0} .tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
+padding:8px;min-height:3em;margin-top:8px}
+"""
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>{style}</style></head><body>
+<h1>gradlab run {title}</h1>
+<h2>Training curves</h2><div id="curves">{svg}</div>
+<h2>Token strips (hook-measured W per token)</h2>
+<p>Colour: W (blue &lt; 0 &lt; red, scaled to the largest |W| of the objective at that step);
+underline: dark blue = shared by the whole group, light blue = by a subset; dashed box = clipped.
+Hover a token for its numbers. Last row: Σ_i W at each full-group shared position.</p>
+<div id="nav"><label>objective <select id="objective"></select></label>
+<label>step <select id="step"></select></label><label>group <select id="group"></select></label>
+<span id="count"></span></div>
+<div id="strips"></div><div id="detail">hover a token</div>
+<script type="application/json" id="data">{data}</script>
+<script>{script}</script></body></html>
+"""
+
+SCRIPT = """
+"use strict";
+const DATA = JSON.parse(document.getElementById("data").textContent);
+const $ = (id) => document.getElementById(id);
+function fill(sel, keys) {
+  const old = sel.value; sel.innerHTML = "";
+  keys.forEach((k) => { const o = document.createElement("option"); o.value = k; o.textContent = k; sel.appendChild(o); });
+  if (keys.includes(old)) sel.value = old;
+}
+function colour(w, m) {
+  const a = m > 0 ? Math.min(1, Math.abs(w) / m) : 0;
+  return w >= 0 ? `rgba(214,39,40,${a.toFixed(3)})` : `rgba(31,119,180,${a.toFixed(3)})`;
+}
+const fmt = (x) => (x === null ? "n/a" : Number(x).toPrecision(6));
+function show(d, i) {
+  $("detail").textContent =
+    `row ${d.row[i]}  position ${d.position[i]}  token ${JSON.stringify(d.text[i])}  optimizer step ${d.opt_step[i]}\\n` +
+    `W = ${fmt(d.W[i])}   W closed form = ${fmt(d.W_closed[i])}\\n` +
+    `A = ${fmt(d.A[i])}   r = ${fmt(d.r[i])}   s = ${fmt(d.s[i])}\\n` +
+    `prefix node ${d.prefix_node[i]}   trie node ${d.trie_node[i]} (size ${d.trie_size[i]})   clip ${d.clip[i]}`;
+}
+function draw() {
+  const obj = $("objective").value, step = $("step").value, grp = $("group").value;
+  const strips = $("strips"); strips.innerHTML = "";
+  if (!obj || !DATA[obj][step] || !DATA[obj][step][grp]) { $("count").textContent = "no traces"; return; }
+  let m = 0;
+  Object.values(DATA[obj][step]).forEach((g) => g.W.forEach((w) => { m = Math.max(m, Math.abs(w)); }));
+  const d = DATA[obj][step][grp];
+  let rowDiv = null, cur = -1;
+  d.W.forEach((w, i) => {
+    if (d.row[i] !== cur) {
+      cur = d.row[i]; rowDiv = document.createElement("div"); rowDiv.className = "row";
+      const lab = document.createElement("span"); lab.className = "lab";
+      lab.textContent = `row ${cur}  A=${Number(d.A[i]).toFixed(2)}`; rowDiv.appendChild(lab);
+      strips.appendChild(rowDiv);
+    }
+    const t = document.createElement("span");
+    t.className = "tok" + (d.prefix_node[i] >= 0 ? " full" : d.trie_node[i] >= 0 ? " subset" : "") + (d.clip[i] ? " clip" : "");
+    t.textContent = d.text[i] === " " ? "\\u2423" : d.text[i];
+    t.style.background = colour(w, m);
+    t.dataset.i = i;
+    t.addEventListener("mouseenter", () => show(d, i));
+    rowDiv.appendChild(t);
+  });
+  // Σ_i W over the group at each full-group shared position (0 up to round-off = cancels)
+  const sums = {};
+  d.W.forEach((w, i) => { if (d.prefix_node[i] >= 0) sums[d.position[i]] = (sums[d.position[i]] || 0) + w; });
+  const sumDiv = document.createElement("div"); sumDiv.className = "row";
+  const lab = document.createElement("span"); lab.className = "lab"; lab.textContent = "\u03a3_i W (full-group)";
+  sumDiv.appendChild(lab);
+  Object.keys(sums).forEach((p) => {
+    const c = document.createElement("span"); c.className = "sum"; c.textContent = Number(sums[p]).toExponential(1);
+    sumDiv.appendChild(c);
+  });
+  strips.appendChild(sumDiv);
+  $("count").textContent = `${d.W.length} tokens`;
+}
+function steps() { fill($("step"), Object.keys(DATA[$("objective").value] || {}).sort((a, b) => a - b)); groups(); }
+function groups() {
+  const s = (DATA[$("objective").value] || {})[$("step").value] || {};
+  fill($("group"), Object.keys(s).sort((a, b) => a - b)); draw();
+}
+fill($("objective"), Object.keys(DATA));
+$("objective").addEventListener("change", steps);
+$("step").addEventListener("change", groups);
+$("group").addEventListener("change", draw);
+steps();
+"""

@@ -1,0 +1,74 @@
+"""`gradlab view`: the page is self-contained and works in a real headless Chromium (Playwright
+driving the system's chromium): no console errors, the token count of a known trace, and a hover
+that shows that token's traced W."""
+
+import re
+import shutil
+
+import pytest
+
+import gradlab
+from gradlab.cli import main
+from gradlab.loop.config import RunConfig
+from gradlab.loop.train import train
+
+
+@pytest.fixture(scope="module")
+def page_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("view")
+    train(RunConfig(out=str(d / "run"), objectives=["grpo", "gspo"], steps=2, prompts=2, G=4,
+                    minibatches=2, probe_contexts=2, tax_every=1, trace_every=1, progress=False))
+    assert main(["view", str(d / "run"), "--out", str(d / "page.html")]) == 0
+    return d / "run", d / "page.html"
+
+
+def test_page_is_self_contained(page_file):
+    _, page = page_file
+    text = page.read_text()
+    assert "<svg" in text and 'id="data"' in text
+    # nothing fetched: no external script, stylesheet, image or font (SVG namespace URIs are names)
+    assert not re.search(r"(src|href)=\"(https?:)?//", text) and "<link" not in text
+    assert "@import" not in text and not re.search(r"url\((?!#)", text)
+
+
+def test_view_rejects_a_folder_without_a_run(tmp_path, capsys):
+    assert main(["view", str(tmp_path)]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+
+
+def test_page_in_headless_chromium(page_file):
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium binary (.ci/run installs it: apt-get install -y chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    run, page_path = page_file
+    traces = gradlab.load_traces(run)
+    at1 = traces[traces["step"] == 1]
+    obj, group = (at1["W"] != 0).groupby([at1["objective"], at1["group"]]).sum().idxmax()
+    known = at1[(at1["objective"] == obj) & (at1["group"] == group)]
+    known = known.sort_values(["row", "position"]).reset_index(drop=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            pg = browser.new_page()
+            errors = []
+            pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.goto(page_path.as_uri())
+            pg.select_option("#objective", obj)
+            pg.select_option("#step", "1")
+            pg.select_option("#group", str(int(group)))
+            assert pg.locator("#strips .tok").count() == len(known)
+            assert pg.inner_text("#count") == f"{len(known)} tokens"
+            k = int(known.index[known["W"] != 0][-1])  # a token with a non-zero W
+            pg.hover(f"#strips .tok >> nth={k}")
+            detail = pg.inner_text("#detail")
+        finally:
+            browser.close()
+    assert not errors, errors
+    row = known.iloc[k]
+    assert f"row {row['row']}  position {row['position']}" in detail
+    w = float(re.search(r"W = (\S+)", detail).group(1))
+    assert w == pytest.approx(float(row["W"]), rel=1e-5) and w != 0
+    wc = float(re.search(r"W closed form = (\S+)", detail).group(1))
+    assert wc == pytest.approx(float(row["W_closed"]), rel=1e-5)
