@@ -39,6 +39,7 @@ whole in the loss call (`config.rollout_n` rows): else a ValueError names the gr
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -383,4 +384,4 @@ for _base in base_losses():
 
 from .verl_actor import install as _install  # noqa: E402 (needs the names above)
 
-_install()  # verl's actor loss → gradlab_ppo_loss, which supplies micro_batch(...) (verl_actor)
+_install(sys.modules[__name__])  # verl's actor loss → gradlab_ppo_loss, which supplies micro_batch(...) (verl_actor)

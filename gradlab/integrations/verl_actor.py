@@ -28,6 +28,9 @@ from torch import Tensor
 _ORIGINAL: dict = {}
 
 
+_GRADLAB: dict = {}  # set by install()
+
+
 def _dense(x: Tensor, width: int | None = None) -> Tensor:
     """(B, T) from a dense or nested (jagged) tensor, right-padded with 0 to `width`."""
     if x.is_nested:
@@ -60,8 +63,7 @@ def gradlab_ppo_loss(config, model_output, data, dp_group=None):
     """verl's `ppo_loss`, called inside `micro_batch(...)` with this micro-batch's ids."""
     from verl.utils import tensordict_utils as tu
 
-    from . import verl as gv
-
+    gv = _GRADLAB["verl"]  # gradlab.integrations.verl, handed over by install()
     original = _ORIGINAL.get("ppo_loss") or importlib.import_module(
         "verl.workers.utils.losses").ppo_loss
     width = tu.get_non_tensor_data(data, "max_response_len", -1)
@@ -76,9 +78,12 @@ def gradlab_ppo_loss(config, model_output, data, dp_group=None):
         return original(config, model_output, data, dp_group)
 
 
-def install() -> bool:
+def install(gradlab_verl) -> bool:
     """Route verl's actor loss through `gradlab_ppo_loss`; False when verl's workers package
-    cannot be imported here (then call `gradlab.integrations.verl.micro_batch` yourself)."""
+    cannot be imported here (then call `gradlab.integrations.verl.micro_batch` yourself).
+    `gradlab_verl` is the `gradlab.integrations.verl` module (passed in, so this module does not
+    import it: no import circle)."""
+    _GRADLAB["verl"] = gradlab_verl
     try:
         losses = importlib.import_module("verl.workers.utils.losses")
     except ImportError:
