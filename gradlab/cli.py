@@ -27,6 +27,8 @@ HELP = {
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
     "trace_groups": "groups traced per traced rollout step",
     "log": "live logging while training: tensorboard and/or trackio (comma-separated)",
+    "on_nonfinite": "a non-finite loss, gradient or parameter: stop (exit code 3) or skip the "
+                    "update (counted as nonfinite_steps)",
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }
@@ -161,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
         return _delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    from .loop.guard import EXIT_NONFINITE, NonFiniteError
+
     try:
         return args.fn(args)
+    except NonFiniteError as e:
+        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ class RunConfig:
     trace_every: int = 10
     trace_groups: int = 2
     log: str = ""
+    on_nonfinite: str = "stop"  # non-finite loss/gradient/parameter: stop (exit 3) or skip
 
     def __post_init__(self) -> None:
         validate(self)
@@ -109,6 +110,8 @@ def validate(c: RunConfig) -> None:
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
+    if c.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"--on-nonfinite: unknown {c.on_nonfinite!r}; valid: stop, skip")
     if c.mode not in MODES:
         raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
     if c.mode == "same-batch" and not c.probes:

@@ -16,6 +16,7 @@ from ..probes import ModulationProbe, layer_groups, measure_step, node_drift, sh
 from ..probes.tax import reduce_tax, residual_grad_outputs, tax_from_reps, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
+from .guard import admit
 from .logprobs import token_logps
 from .metrics import StepMetrics
 from .rollout import Rollout
@@ -69,6 +70,8 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
         watched = probe.watch(logps)
         loss, stats = L.objective(batch.replace(logps=watched))
         loss.backward()
+    if not admit(L, cfg, loss, acc):  # non-finite loss/gradient: stop or skip (loop/guard.py)
+        return
     acc.time("update", t0)
     t1 = time.perf_counter()
     acc.add_basic(batch, ent.detach(), loss.detach(), stats)

@@ -46,6 +46,7 @@ class Learner:
     gen: torch.Generator
     tokens: int = 0  # response tokens consumed so far
     tracer: TraceWriter | None = None  # token traces (loop/traces.py)
+    step: int = 0  # the rollout step in progress (named by the non-finite guard)
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
@@ -83,6 +84,7 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
                  others, D: Dist) -> tuple[dict, Rollout]:
     """Sample one rollout batch and make `minibatches` optimizer steps; returns (metrics, rollout)."""
     acc = StepMetrics(D)
+    L.step = step
     t0 = time.perf_counter()
     ro = sample(L, cfg, task, tok, step, D)
     acc.time("rollout", t0)

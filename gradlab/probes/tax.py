@@ -63,6 +63,8 @@ def _norms(tax: dict[str, Tensor], total: dict[str, Tensor], names) -> dict[str,
     share = torch.where(gn > 0, tn / torch.where(gn > 0, gn, 1), 0)  # 0 when g_total = 0
     den = tn * gn
     cos = torch.where(den > 0, tg / torch.where(den > 0, den, 1), 0)
+    bad = ~torch.isfinite(tt + gg + tg)  # NaN in → NaN out: never a reassuring 0
+    share, cos = share.masked_fill(bad, float("nan")), cos.masked_fill(bad, float("nan"))
     return {"tax_norm": tn, "total_norm": gn, "tax_share": share, "tax_cos": cos}
 
 

@@ -1,0 +1,98 @@
+"""The fault suite (issue 11): every fault a user can cause gets its documented outcome — a
+one-line error with the right exit code, or a defined result — and no data is lost."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import gradlab
+from gradlab.cli import main
+from gradlab.loop.metrics import StepMetrics, _ratios
+from gradlab.loop.policy import load_policy, save_policy
+
+DATA = Path(__file__).parent / "data"
+FAST = ["--steps", "2", "--prompts", "4", "--G", "4", "--minibatches", "2", "--ckpt-every", "1",
+        "--probe-contexts", "4", "--tax-every", "1", "--no-progress"]
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def nan_policy(tmp_path_factory) -> Path:
+    """The shipped tiny policy with one weight matrix set to NaN (a diverged checkpoint)."""
+    model, tok = load_policy()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
+    return save_policy(model, tok, tmp_path_factory.mktemp("nanpolicy") / "p")
+
+
+# ----------------------------------------------------------------------------- 1. non-finite
+
+
+def test_nan_policy_stops_with_exit_3_naming_step_and_objective(tmp_path, nan_policy, capsys):
+    out = tmp_path / "r"
+    rc = main(["tandem", "--out", str(out), "--model", str(nan_policy), "--objectives", "gspo", *FAST])
+    assert rc == 3
+    err = _one_line(capsys)
+    assert "step 0, objective gspo: non-finite loss" in err
+    assert not (out / "checkpoints").exists()  # nothing of the bad step was written
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+
+
+def test_huge_lr_stops_with_exit_3_and_writes_nothing_of_the_bad_step(tmp_path, capsys):
+    """--lr 1e30: the first update leaves huge weights, the second minibatch's gradient is
+    non-finite: exit 3 naming step 0 and the objective; no checkpoint, no metrics row."""
+    out = tmp_path / "r"
+    rc = main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST, "--lr", "1e30"])
+    assert rc == 3
+    assert "step 0, objective grpo: non-finite gradient" in _one_line(capsys)
+    assert not (out / "checkpoints").exists()
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("how", ["nan-policy", "lr-inf"])
+def test_skip_drops_every_bad_update_and_counts_it(tmp_path, nan_policy, how, capsys):
+    """NaN weights (bad loss and gradient) or --lr inf (the update itself makes the weights
+    non-finite: parameters and optimizer state are put back): every optimizer step is skipped,
+    counted, and the checkpoint holds exactly the initial weights."""
+    out = tmp_path / "r"
+    extra = ["--model", str(nan_policy)] if how == "nan-policy" else ["--lr", "inf"]
+    assert main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST, *extra,
+                 "--on-nonfinite", "skip"]) == 0
+    wide = gradlab.load_run(out, wide=True)
+    assert (wide["nonfinite_steps"] == 2).all()  # both optimizer steps of each rollout step
+    init, _ = load_policy(nan_policy if how == "nan-policy" else None)
+    saved = load_file(out / "checkpoints" / "grpo" / "model.safetensors")
+    for name, w in saved.items():
+        torch.testing.assert_close(w, init.state_dict()[name], rtol=0, atol=0, equal_nan=True)
+
+
+def test_skip_counts_zero_on_healthy_steps(tmp_path):
+    out = tmp_path / "r"
+    assert main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST,
+                 "--on-nonfinite", "skip"]) == 0
+    assert (gradlab.load_run(out, wide=True)["nonfinite_steps"] == 0).all()
+
+
+def test_a_metric_of_a_non_finite_w_is_nan_never_zero():
+    nan = math.nan
+    r = _ratios({"residual_prefix": nan, "scale_prefix": nan, "n_tokens": 4.0,
+                 "entropy_sum": nan, "drift_node_kl_sum": nan, "drift_node_count": 2.0})
+    assert math.isnan(r["rho_prefix"]) and math.isnan(r["entropy"])
+    assert math.isnan(r["drift_node_kl_mean"])
+    assert _ratios({"residual_prefix": 0.0, "scale_prefix": 0.0})["rho_prefix"] == 0.0
+    acc = StepMetrics()
+    acc.maxes["w_max"] += [torch.tensor(1.0), torch.tensor(nan)]
+    assert math.isnan(acc.finish()["w_max"])
+    from gradlab.probes.tax import _norms
+
+    g = {"w": torch.tensor([nan, 1.0])}
+    assert math.isnan(float(_norms(g, g, ["w"])["tax_share"]))
+    assert math.isnan(float(_norms(g, g, ["w"])["tax_cos"]))
