@@ -96,3 +96,65 @@ def test_a_metric_of_a_non_finite_w_is_nan_never_zero():
     g = {"w": torch.tensor([nan, 1.0])}
     assert math.isnan(float(_norms(g, g, ["w"])["tax_share"]))
     assert math.isnan(float(_norms(g, g, ["w"])["tax_cos"]))
+
+
+# ----------------------------------------------------------------------------- 4. masked inert
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradlab import objectives  # noqa: E402
+from gradlab.core.cancellation import cancellation  # noqa: E402
+from gradlab.testing import measure_modulation, random_batch  # noqa: E402
+
+# every objective, and the variants whose code paths differ (normalisers, KL, no-stop-grad)
+INERT_CASES = [(n, {}) for n in objectives.names()] + [
+    ("grpo", {"norm": "seq"}), ("grpo", {"norm": "const"}), ("grpo", {"beta": 0.1}),
+    ("gspo", {"beta": 0.1}), ("dfpo", {"stop_grad": False}), ("dfpo-min", {"nodes": "trie"}),
+    ("dfpo-orth", {"scope": "all"}), ("dfpo", {"base": "grpo"}), ("dfpo-min", {"base": "gspo-token"}),
+]
+GARBAGE = st.sampled_from([math.nan, math.inf, -math.inf, 1e30, -1e30, 0.0, 3.0])
+
+
+def _report(obj, b):
+    W = obj.modulation(b)
+    loss, stats = obj(b)
+    hook = measure_modulation(obj.loss, b)
+    rep = cancellation(hook, b, "prefix")
+    return W, loss.detach(), {k: v for k, v in stats.items()}, hook, (rep.ratio, rep.residual)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), values=st.lists(GARBAGE, min_size=3, max_size=3),
+       off=st.sampled_from([0.0, 0.3, 1.0]))
+@pytest.mark.parametrize("name,params", INERT_CASES, ids=lambda x: str(x))
+def test_values_outside_the_mask_are_inert(name, params, seed, values, off):
+    """NaN, ±inf or garbage in logps/old_logps/ref_logps at padded positions give bitwise the
+    same W (closed form and hook), loss, stats and cancellation report as zeros there."""
+    obj = objectives.get(name, **params)
+    b = random_batch(n_groups=3, G=4, T=10, seed=seed, off_policy=off)
+    pad = ~b.mask
+    assert bool(pad.any())
+    zero = b.replace(logps=b.logps.masked_fill(pad, 0.0), old_logps=b.old_logps.masked_fill(pad, 0.0),
+                     ref_logps=(b.logps - 0.1).masked_fill(pad, 0.0))
+    dirty = b.replace(logps=b.logps.masked_fill(pad, values[0]),
+                      old_logps=b.old_logps.masked_fill(pad, values[1]),
+                      ref_logps=(b.logps - 0.1).masked_fill(pad, values[2]))
+    for x, y in zip(_report(obj, zero), _report(obj, dirty)):
+        if isinstance(x, dict):
+            assert x.keys() == y.keys()
+            for k in x:
+                torch.testing.assert_close(x[k], y[k], rtol=0, atol=0)
+        elif isinstance(x, tuple):
+            assert x == y
+        else:
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_dfpo_min_with_a_nan_weight_inside_the_mask_gives_nan_not_index_error():
+    from gradlab.core.dfpo import transform_weights
+
+    w = torch.tensor([[1.0, 2.0], [math.nan, 3.0]])
+    node = torch.tensor([[0, -1], [0, -1]])
+    out = transform_weights(w, torch.tensor([1.0, -1.0]), node, 1, "min")
+    assert math.isnan(out[0, 0]) and math.isnan(out[1, 0]) and out[0, 1] == 2.0

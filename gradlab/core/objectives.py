@@ -76,7 +76,8 @@ class Objective:
 
     # --- shared --------------------------------------------------------------------------
     def loss(self, batch: TokenBatch) -> Tensor:
-        """Scalar loss, differentiable w.r.t. batch.logps."""
+        """Scalar loss, differentiable w.r.t. batch.logps (values outside the mask are inert)."""
+        batch = batch.inert()
         return self.policy_loss(batch) + self._kl_loss(batch)
 
     def modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
@@ -84,6 +85,7 @@ class Objective:
         bad = set(off) - set(MECHANISMS)
         if bad:
             raise ValueError(f"{self.name}: unknown mechanism(s) {sorted(bad)}; valid: {MECHANISMS}")
+        batch = batch.inert()  # NaN/±inf at padded positions change nothing
         with torch.no_grad():
             return self.policy_modulation(batch, tuple(off)) + self._kl_modulation(batch)
 
@@ -95,6 +97,7 @@ class Objective:
         return loss, stats
 
     def stats(self, batch: TokenBatch) -> dict:
+        batch = batch.inert()
         m = batch.mask
         r = torch.exp(_f(batch.logps.detach()) - _f(batch.old_logps))
         w = self.policy_modulation(batch)
