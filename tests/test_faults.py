@@ -158,3 +158,48 @@ def test_dfpo_min_with_a_nan_weight_inside_the_mask_gives_nan_not_index_error():
     node = torch.tensor([[0, -1], [0, -1]])
     out = transform_weights(w, torch.tensor([1.0, -1.0]), node, 1, "min")
     assert math.isnan(out[0, 0]) and math.isnan(out[1, 0]) and out[0, 1] == 2.0
+
+
+# ----------------------------------------------------------------------------- 2. one writer
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+HOLD = ("import sys, time\nfrom gradlab.loop.store import RunStore\n"
+        "s = RunStore(sys.argv[1], {'steps': 1})\nprint('holding', flush=True)\ntime.sleep(120)\n")
+
+
+def test_second_writer_and_resume_of_a_live_run_name_the_holder(tmp_path, capsys):
+    """A real second process holds RUN's lock: a fresh run and --resume into RUN are refused
+    with one line naming its pid and host; once it is killed (-9) the folder is free again."""
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "holding"
+        for extra in ([], ["--resume"]):
+            assert main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST, *extra]) == 2
+            err = _one_line(capsys)
+            assert f"is in use by pid {p.pid} on host " in err, err
+        assert not (out / "metrics.jsonl").exists()  # nothing written by the refused runs
+    finally:
+        p.kill()
+        p.wait()
+    assert main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST, "--steps", "1"]) == 0
+    assert str(__import__("os").getpid()) in (out / ".lock").read_text()  # the new holder
+
+
+def test_lock_is_reentrant_in_one_process_and_released_after_training(tmp_path):
+    from gradlab.loop.lock import _HELD, acquire
+
+    a = acquire(tmp_path)
+    b = acquire(tmp_path)
+    assert a is b and a.count == 2
+    a.release()
+    b.release()
+    assert not _HELD
+    out = tmp_path / "t"
+    assert main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST, "--steps", "1"]) == 0
+    assert not _HELD  # train() released it: another process may now write
+    p = subprocess.run([sys.executable, "-c", "import sys; from gradlab.loop.lock import acquire; "
+                        "acquire(sys.argv[1]); print('ok')", str(out)], capture_output=True, text=True)
+    assert p.stdout.strip() == "ok", p.stderr

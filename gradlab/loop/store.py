@@ -24,6 +24,8 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from .lock import acquire
+
 ID_COLUMNS = ("run", "objective", "seed", "step", "tokens")
 TIDY_COLUMNS = ID_COLUMNS + ("metric", "value")
 
@@ -36,14 +38,26 @@ class RunStore:
         """write=False (data-parallel ranks other than 0): reads work, writes are no-ops."""
         self.path = Path(path)
         self.write = write
+        self._lock = None
         if not write:
             return
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = acquire(self.path)  # one writer per folder (loop/lock.py)
         if not resume and (self.path / "metrics.jsonl").exists():
+            self.close()
             raise FileExistsError(f"--out {self.path} already holds a run: pass --resume to "
                                   "continue it, or choose another --out")
-        self.path.mkdir(parents=True, exist_ok=True)
         if config is not None and not (resume and (self.path / "config.json").exists()):
             _atomic_write(self.path / "config.json", json.dumps(config, indent=2, sort_keys=True))
+
+    def close(self) -> None:
+        """Release the folder's writer lock (training is over); reads still work."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())

@@ -158,6 +158,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
             D.barrier()
     live.close()
     D.close()
+    store.close()  # release the run folder's writer lock (loop/lock.py)
     return store
 
 
