@@ -13,6 +13,7 @@ import time
 from dataclasses import MISSING, fields
 
 from .loop.config import ConfigError, RunConfig
+from .loop.resume import given_options, with_stored_config
 
 HELP = {
     "out": "run folder", "objectives": "comma-separated objective names",
@@ -71,6 +72,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     objectives = [a.objective] if getattr(a, "objective", None) else None
     cfg = config_from_args(a, objectives)
+    if a.resume:  # options not typed are the stored ones (loop/resume.py)
+        cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
     store = train(cfg, resume=a.resume)
     print(f"run folder: {store.path}  (read it with gradlab.load_run)")
     return 0
@@ -80,6 +83,8 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     from .loop.reproduce import reproduce
 
     cfg = config_from_args(a)
+    if a.resume:
+        cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
     t0 = time.time()
     summary = reproduce(cfg, resume=a.resume)
     print(summary)
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
         return _delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
     from .loop.guard import EXIT_NONFINITE, NonFiniteError
 
     try:

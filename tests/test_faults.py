@@ -1,17 +1,32 @@
 """The fault suite (issue 11): every fault a user can cause gets its documented outcome — a
 one-line error with the right exit code, or a defined result — and no data is lost."""
 
+import json
 import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import gradlab
+from gradlab import objectives
 from gradlab.cli import main
+from gradlab.core.cancellation import cancellation
+from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.metrics import StepMetrics, _ratios
 from gradlab.loop.policy import load_policy, save_policy
+from gradlab.loop.train import train
+from gradlab.testing import measure_modulation, random_batch
 
 DATA = Path(__file__).parent / "data"
 FAST = ["--steps", "2", "--prompts", "4", "--G", "4", "--minibatches", "2", "--ckpt-every", "1",
@@ -100,12 +115,7 @@ def test_a_metric_of_a_non_finite_w_is_nan_never_zero():
 
 # ----------------------------------------------------------------------------- 4. masked inert
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
-from gradlab import objectives  # noqa: E402
-from gradlab.core.cancellation import cancellation  # noqa: E402
-from gradlab.testing import measure_modulation, random_batch  # noqa: E402
 
 # every objective, and the variants whose code paths differ (normalisers, KL, no-stop-grad)
 INERT_CASES = [(n, {}) for n in objectives.names()] + [
@@ -162,8 +172,6 @@ def test_dfpo_min_with_a_nan_weight_inside_the_mask_gives_nan_not_index_error():
 
 # ----------------------------------------------------------------------------- 2. one writer
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 HOLD = ("import sys, time\nfrom gradlab.loop.store import RunStore\n"
         "s = RunStore(sys.argv[1], {'steps': 1})\nprint('holding', flush=True)\ntime.sleep(120)\n")
@@ -203,3 +211,88 @@ def test_lock_is_reentrant_in_one_process_and_released_after_training(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import sys; from gradlab.loop.lock import acquire; "
                         "acquire(sys.argv[1]); print('ok')", str(out)], capture_output=True, text=True)
     assert p.stdout.strip() == "ok", p.stderr
+
+
+# ----------------------------------------------------------------------------- 3. resume
+
+
+
+RUN = ["--objectives", "grpo", "--prompts", "4", "--G", "4", "--minibatches", "2",
+       "--probe-contexts", "4", "--tax-every", "1", "--no-progress", "--lr", "1e-3", "--seed", "3"]
+
+
+def _table(path) -> pd.DataFrame:
+    df = gradlab.load_run(path)
+    return df[~df["metric"].str.startswith("time_")].drop(columns="run").reset_index(drop=True)
+
+
+def test_resume_alone_reads_the_stored_configuration(tmp_path):
+    """Non-default options, then `--out DIR --resume --steps 3` alone: the stored options are
+    used (the result equals an uninterrupted 3-step run) and config.json records steps=3."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["tandem", "--out", str(full), *RUN, "--steps", "3"]) == 0
+    assert main(["tandem", "--out", str(part), *RUN, "--steps", "1"]) == 0
+    assert main(["tandem", "--out", str(part), "--resume", "--steps", "3"]) == 0
+    pd.testing.assert_frame_equal(_table(full), _table(part))
+    stored = json.loads((part / "config.json").read_text())
+    assert stored["steps"] == 3 and stored["lr"] == 1e-3 and stored["seed"] == 3
+
+
+def test_resume_with_differing_options_is_refused_with_the_list(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["tandem", "--out", str(out), *RUN, "--steps", "1"]) == 0
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["tandem", "--out", str(out), "--resume", "--lr", "0.5", "--promp", "8"]) == 2
+    err = _one_line(capsys)
+    assert "--lr: stored 0.001, given 0.5" in err and "--prompts: stored 4, given 8" in err
+    assert (out / "metrics.jsonl").read_text() == before
+    assert json.loads((out / "config.json").read_text())["lr"] == 1e-3  # config.json unchanged
+    with pytest.raises(ConfigError, match="--seed: stored 3, given 0"):  # the Python API too
+        cfg = RunConfig(**{**json.loads((out / "config.json").read_text()), "seed": 0})
+        train(cfg, resume=True)
+
+
+def test_a_folder_without_checkpoint_restarts_from_step_0_under_resume(tmp_path):
+    """Killed before its first checkpoint (config.json and metrics rows, no checkpoint):
+    --resume starts over, and the result equals an uninterrupted run (no duplicate rows)."""
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert main(["tandem", "--out", str(full), *RUN, "--steps", "2"]) == 0
+    assert main(["tandem", "--out", str(killed), *RUN, "--steps", "2"]) == 0
+    shutil.rmtree(killed / "checkpoints")
+    assert main(["tandem", "--out", str(killed), "--resume"]) == 0
+    pd.testing.assert_frame_equal(_table(full), _table(killed))
+
+
+def _reproduce(out, *extra):
+    return [sys.executable, "-m", "gradlab", "reproduce", "--out", str(out), "--objectives",
+            "grpo,gspo", "--prompts", "4", "--G", "4", "--minibatches", "2", "--ckpt-every", "1",
+            "--tax-every", "0", "--probe-contexts", "4", "--no-progress", *extra]
+
+
+def test_reproduce_again_remakes_figures_and_on_a_partial_run_says_what_to_type(tmp_path):
+    out = tmp_path / "rep"
+    p = subprocess.Popen(_reproduce(out, "--steps", "8"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    state = out / "checkpoints" / "gspo" / "state.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and not state.exists():
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    again = subprocess.run(_reproduce(out, "--steps", "8"), capture_output=True, text=True)
+    assert again.returncode == 2
+    want = f"type `gradlab reproduce --out {out} --resume` to continue it"
+    assert want in again.stderr and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    typed = subprocess.run([sys.executable, "-m", "gradlab", "reproduce", "--out", str(out),
+                            "--resume"], capture_output=True, text=True)
+    assert typed.returncode == 0, typed.stderr
+    assert set(gradlab.load_run(out)["step"]) == set(range(8))
+    before = (out / "metrics.jsonl").read_text()
+    (out / "summary.md").unlink()
+    (out / "figures" / "training_curves.png").unlink()
+    redo = subprocess.run(_reproduce(out, "--steps", "8"), capture_output=True, text=True)
+    assert redo.returncode == 0, redo.stderr
+    assert "re-made from the stored run" in (out / "summary.md").read_text()
+    assert (out / "figures" / "training_curves.png").stat().st_size > 10_000
+    assert (out / "metrics.jsonl").read_text() == before  # nothing trained again

@@ -265,7 +265,8 @@ class GradlabMixin:
         path = os.path.join(self.args.output_dir, "gradlab") if path == "auto" else path
         trl_cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str))}
         return RunStore(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
-                               "objective": self._gl_label()}, resume=self.gradlab.resume)
+                               "objective": self._gl_label()}, resume=self.gradlab.resume,
+                        check_config=False)
 
     # --- TRL overrides -----------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .lock import acquire
+from .resume import check_resume_config, read_config
 
 ID_COLUMNS = ("run", "objective", "seed", "step", "tokens")
 TIDY_COLUMNS = ID_COLUMNS + ("metric", "value")
@@ -34,8 +35,10 @@ class RunStore:
     """Append-only writer for one run folder."""
 
     def __init__(self, path: str | Path, config: dict | None = None, resume: bool = False,
-                 write: bool = True) -> None:
-        """write=False (data-parallel ranks other than 0): reads work, writes are no-ops."""
+                 write: bool = True, check_config: bool = True) -> None:
+        """write=False (data-parallel ranks other than 0): reads work, writes are no-ops.
+        check_config (a RunConfig dict): on resume, refuse options that differ from the stored
+        config.json and record the allowed changes; False keeps config.json as it is."""
         self.path = Path(path)
         self.write = write
         self._lock = None
@@ -47,8 +50,12 @@ class RunStore:
             self.close()
             raise FileExistsError(f"--out {self.path} already holds a run: pass --resume to "
                                   "continue it, or choose another --out")
-        if config is not None and not (resume and (self.path / "config.json").exists()):
-            _atomic_write(self.path / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        stored = self.path / "config.json"
+        if config is not None and resume and stored.exists() and check_config:
+            # resume: a differing option is refused (loop/resume.py), an allowed change is recorded
+            check_resume_config(self.path, read_config(stored), config)
+        if config is not None and not (resume and stored.exists() and not check_config):
+            _atomic_write(stored, json.dumps(config, indent=2, sort_keys=True))
 
     def close(self) -> None:
         """Release the folder's writer lock (training is over); reads still work."""

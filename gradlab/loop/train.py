@@ -28,6 +28,7 @@ from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
 from .probeset import probe_metrics, probe_set
+from .resume import restore
 from .rollout import Rollout, generate
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
@@ -126,7 +127,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
     learners = make_learners(cfg, model, trained)
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
-    start = _resume(store, learners, D) if resume else 0
+    start = restore(store, learners, D) if resume else 0  # loop/resume.py
     tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
@@ -161,17 +162,3 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     store.close()  # release the run folder's writer lock (loop/lock.py)
     return store
 
-
-def _resume(store: RunStore, learners: list[Learner], D: Dist) -> int:
-    """Restore every learner from its checkpoint; drop metrics written after it."""
-    steps = []
-    for L in learners:
-        state, extra = store.load_checkpoint(L.name, L.model, L.opt)
-        L.gen.set_state(extra["gen"])
-        L.tokens = state["tokens"]
-        steps.append(state["step"])
-    if len(set(steps)) != 1:
-        raise RuntimeError(f"checkpoints of {store.path} are at different steps: {steps}")
-    D.barrier()  # every rank has read the files before rank 0 rewrites the metrics
-    store.truncate_after(steps[0] - 1)
-    return steps[0]
