@@ -170,13 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
     from .loop.guard import EXIT_NONFINITE, NonFiniteError
+    from .loop.store import CorruptFileError
 
     try:
         return args.fn(args)
     except NonFiniteError as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, CorruptFileError) as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -25,6 +25,7 @@ from gradlab.core.cancellation import cancellation
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.metrics import StepMetrics, _ratios
 from gradlab.loop.policy import load_policy, save_policy
+from gradlab.loop.store import CorruptFileError
 from gradlab.loop.train import train
 from gradlab.testing import measure_modulation, random_batch
 
@@ -296,3 +297,70 @@ def test_reproduce_again_remakes_figures_and_on_a_partial_run_says_what_to_type(
     assert "re-made from the stored run" in (out / "summary.md").read_text()
     assert (out / "figures" / "training_curves.png").stat().st_size > 10_000
     assert (out / "metrics.jsonl").read_text() == before  # nothing trained again
+
+
+# ----------------------------------------------------------------------------- 6. corrupt files
+
+
+@pytest.fixture
+def one_step_run(tmp_path) -> Path:
+    out = tmp_path / "r"
+    assert main(["tandem", "--out", str(out), *RUN, "--steps", "1"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("file,damage", [
+    ("model.safetensors", "truncate"), ("model.safetensors", "garbage"),
+    ("optimizer.safetensors", "truncate"), ("optimizer.safetensors", "missing"),
+    ("state.json", "truncate"), ("state.json", "garbage"),
+])
+def test_corrupt_checkpoint_file_is_one_line_naming_path_and_what_to_do(one_step_run, file,
+                                                                         damage, capsys):
+    path = one_step_run / "checkpoints" / "grpo" / file
+    raw = path.read_bytes()
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else b"\xff\x00garbage" * 9)
+    metrics = (one_step_run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["tandem", "--out", str(one_step_run), "--resume", "--steps", "2"]) == 2
+    err = _one_line(capsys)
+    assert str(path) in err and "start the run over with --resume" in err, err
+    assert (one_step_run / "metrics.jsonl").read_text() == metrics  # nothing lost
+
+
+def test_checkpoint_of_another_model_does_not_load_silently(one_step_run, capsys):
+    path = one_step_run / "checkpoints" / "grpo" / "model.safetensors"
+    sd = load_file(path)
+    name = next(iter(sd))
+    from safetensors.torch import save_file
+
+    save_file({**sd, name: torch.zeros(3, 3)}, path)
+    capsys.readouterr()
+    assert main(["tandem", "--out", str(one_step_run), "--resume", "--steps", "2"]) == 2
+    assert "does not fit this run" in _one_line(capsys)
+
+
+def test_torn_last_metrics_line_is_cut_and_logged(one_step_run, caplog):
+    metrics = one_step_run / "metrics.jsonl"
+    good = metrics.read_text()
+    before = _table(one_step_run)
+    metrics.write_text(good + '{"step": 1, "objective": "grp')  # a crash mid-write
+    pd.testing.assert_frame_equal(_table(one_step_run), before)
+    assert "torn last line cut" in caplog.text
+    assert main(["tandem", "--out", str(one_step_run), "--resume", "--steps", "2"]) == 0
+    assert metrics.read_text().startswith(good) and '"grp\n' not in metrics.read_text()
+    assert set(gradlab.load_run(one_step_run)["step"]) == {0, 1}
+
+
+def test_corrupt_metrics_line_elsewhere_is_an_error_and_nothing_is_deleted(one_step_run, capsys):
+    metrics = one_step_run / "metrics.jsonl"
+    text = '{"step": 0, "objective": "grpo", "loss": 1.0}\n' + "not json\n" + metrics.read_text()
+    metrics.write_text(text)
+    with pytest.raises(CorruptFileError, match=r"metrics.jsonl:2: corrupt line"):
+        gradlab.load_run(one_step_run)
+    capsys.readouterr()
+    assert main(["tandem", "--out", str(one_step_run), "--resume", "--steps", "2"]) == 2
+    assert "metrics.jsonl:2: corrupt line" in _one_line(capsys)
+    assert metrics.read_text() == text
