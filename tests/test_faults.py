@@ -364,3 +364,33 @@ def test_corrupt_metrics_line_elsewhere_is_an_error_and_nothing_is_deleted(one_s
     assert main(["tandem", "--out", str(one_step_run), "--resume", "--steps", "2"]) == 2
     assert "metrics.jsonl:2: corrupt line" in _one_line(capsys)
     assert metrics.read_text() == text
+
+
+# ----------------------------------------------------------------------------- 5. input checks
+
+GOOD = b'{"prompt": "3+4=?", "answer": "7", "solutions": ["so 3+4=7", "so 4+3=7"]}\n'
+
+
+@pytest.mark.parametrize("body,msg", [
+    (GOOD + b'{"prompt": "caf\xe9 3+4=?", "answer": "7"}\n',  # Latin-1
+     ":2: not UTF-8 (byte 0xe9 at column 16: invalid continuation byte); save the file as UTF-8"),
+    (GOOD + GOOD + b'{"prompt": "3+4=?", "answer": 7,}\n', ":3: invalid JSON at column 33"),
+    (GOOD + b'["prompt", "answer"]\n', ':2: expected an object with "prompt" and "answer"'),
+    (GOOD + '{"prompt": "café 3+4=?", "answer": "7", "solutions": ["so 3+4=7 ✓"]}\n'.encode(),
+     ":2: 2 character(s) the tokenizer cannot encode (they would become <unk>): 'é' ×1, '✓' ×1"),
+])
+def test_task_file_faults_are_one_line_naming_file_and_line(tmp_path, body, msg, capsys):
+    task = tmp_path / "t.jsonl"
+    task.write_bytes(body)
+    assert main(["tandem", "--out", str(tmp_path / "r"), "--task", str(task), *RUN,
+                 "--steps", "1"]) == 2
+    err = _one_line(capsys)
+    assert f"{task}{msg}" in err, err
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    from gradlab.loop.task import JsonlTask
+
+    task = tmp_path / "t.jsonl"
+    task.write_bytes(b"\xef\xbb\xbf" + GOOD)
+    assert JsonlTask(task).problems(1, 0)[0].prompt == "3+4=?"

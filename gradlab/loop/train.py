@@ -32,7 +32,7 @@ from .resume import restore
 from .rollout import Rollout, generate
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
-from .task import get_task
+from .task import check_encodable, get_task
 from .traces import TraceWriter
 
 
@@ -122,6 +122,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
     model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device)
+    check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/task.py)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
