@@ -394,3 +394,60 @@ def test_utf8_bom_is_accepted(tmp_path):
     task = tmp_path / "t.jsonl"
     task.write_bytes(b"\xef\xbb\xbf" + GOOD)
     assert JsonlTask(task).problems(1, 0)[0].prompt == "3+4=?"
+
+
+# ----------------------------------------------------------------------------- 7. gradlab check
+
+LOSSES = '''
+import torch
+
+def token_mean(batch):  # W = A_i / N at every token: cancels at shared tokens
+    return -(batch.advantages[:, None] * batch.logps * batch.mask).sum() / batch.mask.sum()
+
+def seq_mean(batch):  # 1/|o_i| per sequence: a cancellation violation on unequal lengths
+    per = (batch.advantages[:, None] * batch.logps * batch.mask).sum(-1) / batch.mask.sum(-1)
+    return -per.mean()
+
+def broken(batch):
+    return batch.logps.sum() / 0 if False else 1 / 0
+
+def not_scalar(batch):
+    return batch.logps * batch.mask
+'''
+
+
+@pytest.fixture
+def user_pkg(tmp_path) -> Path:
+    pkg = tmp_path / "mylosses"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core.py").write_text(LOSSES)
+    (tmp_path / "bad_import.py").write_text("import torch\nraise RuntimeError('boom at import')\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args,code,err", [
+    (["--loss", "mylosses.core:token_mean"], 0, None),
+    (["--loss", "mylosses.core:seq_mean"], 1, None),
+    (["--loss", "mylosses.core:nope"], 2, "has no callable 'nope'"),
+    (["--loss", "nosuchpkg.core:fn"], 2, "no module 'nosuchpkg'"),
+    (["--loss", "no_colon"], 2, "expected module:function"),
+    (["--bogus-flag"], 2, "unrecognized arguments"),
+    (["--loss", "mylosses.core:broken"], 3, "ZeroDivisionError: division by zero"),
+    (["--loss", "mylosses.core:not_scalar"], 3, "returned shape (16, 12); expected a scalar"),
+    (["--loss", "bad_import:fn"], 3, "boom at import"),
+])
+def test_check_exit_codes_from_the_console_script(user_pkg, args, code, err):
+    """The `gradlab` console script (cwd not on sys.path: python -P) imports --loss pkg.mod:fn
+    from the working directory; 0 pass, 1 violation, 2 bad arguments, 3 the loss raised."""
+    p = subprocess.run([sys.executable, "-P", "-m", "gradlab", "check", *args, "--no-model",
+                        "--only", "/on"],
+                       cwd=user_pkg, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(gradlab.__file__).parents[1])})
+    assert p.returncode == code, p.stdout[-2000:] + p.stderr[-2000:]
+    if err:
+        assert err in p.stderr
+    if code == 3:
+        if "returned" not in err:
+            assert "Traceback (most recent call last)" in p.stderr  # the user's traceback
+        assert p.stderr.strip().splitlines()[-1].startswith("gradlab check: error: --loss")
