@@ -30,6 +30,8 @@ HELP = {
     "log": "live logging while training: tensorboard and/or trackio (comma-separated)",
     "on_nonfinite": "a non-finite loss, gradient or parameter: stop (exit code 3) or skip the "
                     "update (counted as nonfinite_steps)",
+    "threads": "torch intra-op threads (0 = torch's current count); recorded in config.json: "
+               "results are bitwise identical at a fixed thread count",
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }

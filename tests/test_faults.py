@@ -451,3 +451,23 @@ def test_check_exit_codes_from_the_console_script(user_pkg, args, code, err):
         if "returned" not in err:
             assert "Traceback (most recent call last)" in p.stderr  # the user's traceback
         assert p.stderr.strip().splitlines()[-1].startswith("gradlab check: error: --loss")
+
+
+# ----------------------------------------------------------------------------- 9. threads
+
+
+def test_threads_are_set_and_recorded_and_results_repeat_at_a_fixed_count(tmp_path):
+    n = torch.get_num_threads()
+    try:
+        assert main(["tandem", "--out", str(tmp_path / "d"), *RUN, "--steps", "1"]) == 0
+        assert json.loads((tmp_path / "d" / "config.json").read_text())["threads"] == n
+        for k in ("a", "b"):
+            assert main(["tandem", "--out", str(tmp_path / k), *RUN, "--steps", "1",
+                         "--threads", "2"]) == 0
+            assert torch.get_num_threads() == 2
+            assert json.loads((tmp_path / k / "config.json").read_text())["threads"] == 2
+        pd.testing.assert_frame_equal(_table(tmp_path / "a"), _table(tmp_path / "b"))
+    finally:
+        torch.set_num_threads(n)
+    with pytest.raises(ConfigError, match="--threads: -1 is invalid"):
+        RunConfig(threads=-1)

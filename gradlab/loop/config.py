@@ -54,8 +54,13 @@ class RunConfig:
     trace_groups: int = 2
     log: str = ""
     on_nonfinite: str = "stop"  # non-finite loss/gradient/parameter: stop (exit 3) or skip
+    threads: int = 0  # torch intra-op threads; 0 = torch's current count, resolved and recorded
 
     def __post_init__(self) -> None:
+        if self.threads == 0:  # record the count actually used: results are bitwise per count
+            import torch
+
+            self.threads = torch.get_num_threads()
         validate(self)
 
     def to_json(self) -> dict:
@@ -93,6 +98,7 @@ def validate(c: RunConfig) -> None:
         ("temperature", c.temperature > 0, "> 0"),
         ("grad_clip", c.grad_clip > 0, "> 0"),
         ("ckpt_every", c.ckpt_every >= 1, "≥ 1"),
+        ("threads", c.threads >= 1, "≥ 1 (0 = torch's current count)"),
         ("tax_every", c.tax_every >= 0, "≥ 0 (0 = never)"),
         ("trace_every", c.trace_every >= 0, "≥ 0 (0 = no token traces)"),
         ("trace_groups", c.trace_groups >= 0, "≥ 0"),

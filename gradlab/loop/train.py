@@ -117,6 +117,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
         raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups "
                           "and adv_scale='batch' need one process")
     torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)  # bitwise-identical results hold at a fixed thread count
     store = RunStore(cfg.out, cfg.to_json(), resume=resume, write=D.main)
     builtin = cfg.task == "arithmetic"
     task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
