@@ -471,3 +471,43 @@ def test_threads_are_set_and_recorded_and_results_repeat_at_a_fixed_count(tmp_pa
         torch.set_num_threads(n)
     with pytest.raises(ConfigError, match="--threads: -1 is invalid"):
         RunConfig(threads=-1)
+
+
+# ----------------------------------------------------------------------------- 8. TRL resume
+
+
+def _trl_run(tmp_path, steps, resume=None, store_resume=False):
+    pytest.importorskip("trl")
+    from gradlab.integrations import trl_audit
+    from gradlab.integrations.trl import GradlabConfig
+
+    with trl_audit.quiet():
+        args = trl_audit.grpo_args("dr_grpo", "token", 1, steps, str(tmp_path / "out"),
+                                   save_strategy="steps", save_steps=2)
+        gl = GradlabConfig(store=str(tmp_path / "store"), resume=store_resume)
+        tr = trl_audit.make_trainer(args, trl_audit.WORKLOADS["arithmetic"], gl)
+        tr.train(resume_from_checkpoint=resume)
+    return tr
+
+
+def test_trl_resume_continues_store_step_and_tokens(tmp_path):
+    """4 steps with checkpoints at 2 and 4; then resume from checkpoint-2 (as after a crash
+    past it): the store has steps 0-3 once each and tokens keep growing; TRL resumes exactly,
+    so step and tokens equal the uninterrupted run's."""
+    full = _trl_run(tmp_path / "a", 4)
+    want = gradlab.load_run(full.gradlab_store.path, wide=True)[["step", "tokens"]]
+    _trl_run(tmp_path / "b", 4)
+    ck = tmp_path / "b" / "out" / "checkpoint-2"
+    assert json.loads((ck / "gradlab_state.0.json").read_text())["windows"] == 2
+    tr = _trl_run(tmp_path / "b", 4, resume=str(ck), store_resume=True)
+    got = gradlab.load_run(tr.gradlab_store.path, wide=True)[["step", "tokens"]]
+    assert list(got["step"]) == [0, 1, 2, 3]
+    assert got["tokens"].is_monotonic_increasing and got["tokens"].iloc[2] > got["tokens"].iloc[1]
+    pd.testing.assert_frame_equal(got.reset_index(drop=True), want.reset_index(drop=True))
+
+
+def test_trl_store_reuse_error_names_gradlab_config_resume(tmp_path):
+    _trl_run(tmp_path, 1)
+    with pytest.raises(FileExistsError, match=r"pass GradlabConfig\(resume=True\)") as e:
+        _trl_run(tmp_path, 1)
+    assert "--resume" not in str(e.value)
