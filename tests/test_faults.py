@@ -511,3 +511,20 @@ def test_trl_store_reuse_error_names_gradlab_config_resume(tmp_path):
     with pytest.raises(FileExistsError, match=r"pass GradlabConfig\(resume=True\)") as e:
         _trl_run(tmp_path, 1)
     assert "--resume" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["one-missing", "different-steps"])
+def test_checkpoints_torn_between_objectives_are_one_line(tmp_path, damage, capsys):
+    """Killed between two objectives' checkpoint saves: refused with what to do, not a crash."""
+    out = tmp_path / "r"
+    assert main(["tandem", "--out", str(out), *RUN, "--objectives", "grpo,gspo", "--steps", "1"]) == 0
+    ck = out / "checkpoints" / "gspo"
+    if damage == "one-missing":
+        shutil.rmtree(ck)
+    else:
+        st = json.loads((ck / "state.json").read_text())
+        (ck / "state.json").write_text(json.dumps({**st, "step": 2}))
+    capsys.readouterr()
+    assert main(["tandem", "--out", str(out), "--resume", "--steps", "2"]) == 2
+    err = _one_line(capsys)
+    assert "(a crash while saving them)" in err and f"delete {out / 'checkpoints'}" in err

@@ -22,6 +22,11 @@ from pathlib import Path
 
 from .config import ConfigError, RunConfig
 
+
+class CorruptFileError(ValueError):
+    """A run file that cannot be read: the message names the path and what to do."""
+
+
 RESUMABLE_CHANGES = ("out", "steps", "progress", "log", "ckpt_every")
 log = logging.getLogger("gradlab")
 
@@ -93,6 +98,10 @@ def restore(store, learners: list, D) -> int:
     """Restore every learner from its checkpoint and drop metrics written after it; returns
     the step to continue from. No checkpoint at all: start over from step 0."""
     have = [(store.path / "checkpoints" / L.name / "state.json").exists() for L in learners]
+    if any(have) and not all(have):  # killed while saving the first checkpoints
+        raise CorruptFileError(
+            f"{store.path} has checkpoints for some objectives only (a crash while saving "
+            f"them); delete {store.path / 'checkpoints'} to start the run over with --resume")
     if not any(have):
         log.warning("gradlab: no checkpoint in %s: starting from step 0", store.path)
         D.barrier()
@@ -104,9 +113,11 @@ def restore(store, learners: list, D) -> int:
         L.gen.set_state(extra["gen"])
         L.tokens = state["tokens"]
         steps.append(state["step"])
-    if len(set(steps)) != 1:
-        raise RuntimeError(f"checkpoints of {store.path} are at different steps: "
-                           f"{dict(zip([L.name for L in learners], steps))}")
+    if len(set(steps)) != 1:  # killed between two objectives' checkpoint saves
+        raise CorruptFileError(
+            f"checkpoints of {store.path} are at different steps "
+            f"{dict(zip([L.name for L in learners], steps))} (a crash while saving them); "
+            f"delete {store.path / 'checkpoints'} to start the run over with --resume")
     D.barrier()  # every rank has read the files before rank 0 rewrites the metrics
     store.truncate_after(steps[0] - 1)
     return steps[0]

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .lock import acquire
-from .resume import check_resume_config, read_config
+from .resume import CorruptFileError, check_resume_config, read_config
 
 log = logging.getLogger("gradlab")
 ID_COLUMNS = ("run", "objective", "seed", "step", "tokens")
@@ -140,10 +140,6 @@ class RunStore:
             raise CorruptFileError(f"checkpoint {d} does not fit this run ({msg}); {what}") from None
         extra = {k[len("extra."):]: v for k, v in flat.items() if k.startswith("extra.")}
         return state, extra
-
-
-class CorruptFileError(ValueError):
-    """A run file that cannot be read: the message names the path and what to do."""
 
 
 def _load_tensors(path: Path, what: str) -> dict:
