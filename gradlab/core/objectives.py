@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import variants
 from .batch import TokenBatch
 from .dfpo import SCOPES, TRANSFORMS, node_map, transform_vjp, transform_weights
-from . import variants
 from .nodes import NODE_KINDS, shared_nodes
 
 NORMS = ("seq", "token", "const")
