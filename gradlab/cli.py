@@ -12,11 +12,13 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
+from .core.variants import split_top
 from .loop.config import ConfigError, RunConfig
 from .loop.resume import given_options, with_stored_config
 
 HELP = {
-    "out": "run folder", "objectives": "comma-separated objective names",
+    "out": "run folder", "objectives": "comma-separated objective names, each optionally with parameters: "
+                  "'gspo,dfpo-orth[nodes=trie],gspo[eps=1e9]' (labelled by the whole string)",
     "objective_params": 'JSON, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'',
     "mode": "tandem: each objective trains its own policy; same-batch: the first objective "
             "trains, the others' W and residuals are computed on its batches",
@@ -54,7 +56,10 @@ def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
 def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None) -> RunConfig:
     kw = {f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)}
     if a.objectives:
-        kw["objectives"] = [s.strip() for s in a.objectives.split(",") if s.strip()]
+        try:  # commas inside name[k=v, ...] brackets do not split
+            kw["objectives"] = split_top(a.objectives)
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
     elif objectives:
         kw["objectives"] = objectives
     else:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import variants
 from .batch import TokenBatch
 from .dfpo import SCOPES, TRANSFORMS, node_map, transform_vjp, transform_weights
 from .nodes import NODE_KINDS, shared_nodes
@@ -367,21 +368,29 @@ def _registry() -> dict[str, Callable[..., Objective]]:
 
 
 def names() -> list[str]:
-    """The valid objective names."""
+    """The valid objective names (each also takes bracketed parameters, `gradlab.core.variants`)."""
     return list(_registry())
 
 
 def get(name: str, **params) -> Objective:
     """Build an objective by name, e.g. get("grpo", norm="seq"), get("dfpo", transform="orth").
 
-    Unknown names and parameters raise ValueError listing the valid ones.
+    `name` may carry bracketed parameters, get("dfpo-orth[nodes=trie]") (gradlab.core.variants);
+    they merge with `params` (a key given both ways is an error). Unknown names and parameters
+    raise ValueError naming them and listing the valid ones.
     """
+    base, inline = variants.parse(name)
+    both = sorted(set(inline) & set(params))
+    if both:
+        raise ValueError(f"objective {name!r}: parameter(s) {both} given in brackets and as keywords")
+    params = {**inline, **params}
     reg = _registry()
-    if name not in reg:
-        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(reg)}")
-    cls = {"dfpo-min": "dfpo", "dfpo-orth": "dfpo", "dfpo-scale": "dfpo"}.get(name, name)
+    if base not in reg:
+        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(reg)}"
+                         " (each optionally with [key=value, ...])")
+    cls = {"dfpo-min": "dfpo", "dfpo-orth": "dfpo", "dfpo-scale": "dfpo"}.get(base, base)
     valid = [p for p in inspect.signature(reg[cls]).parameters if p != "self"]
     bad = [p for p in params if p not in valid]
     if bad:
         raise ValueError(f"objective {name!r}: unknown parameter(s) {bad}; valid: {valid}")
-    return reg[name](**params)
+    return reg[base](**params)

@@ -82,11 +82,11 @@ def validate(c: RunConfig) -> None:
 
     if not c.objectives:
         raise ConfigError("--objectives: give at least one objective")
-    for name in c.objectives:
-        if name not in objectives.names():
-            raise ConfigError(f"--objectives: unknown objective {name!r}; valid: "
-                              f"{', '.join(objectives.names())}")
-        objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
+    for name in c.objectives:  # a name, optionally with [key=value, ...] (core/variants.py)
+        try:
+            objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
     if len(set(c.objectives)) != len(c.objectives):
         raise ConfigError(f"--objectives: duplicate names in {c.objectives}")
     checks = [
