@@ -25,6 +25,8 @@ HELP = {
     "task": "'arithmetic' or a .jsonl file of {prompt, answer}", "model": "local HF model folder",
     "steps": "rollout batches", "prompts": "prompts per rollout batch", "G": "responses per prompt",
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
+    "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
+                   "gradient accumulation, same update; default: the whole step)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "drift": "drift at each step's shared contexts (a small extra forward per step)",
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
@@ -49,7 +51,7 @@ def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
             p.add_argument(flag, default=None, help=HELP.get(f.name))
         else:
             typ = float if isinstance(default, float) else int if isinstance(default, int) else str
-            typ = int if f.name == "max_new_tokens" else typ  # Optional[int], default None
+            typ = int if f.name in ("max_new_tokens", "micro_batch") else typ  # Optional[int], default None
             p.add_argument(flag, type=typ, default=default, help=HELP.get(f.name, "") + f" (default {default})")
 
 

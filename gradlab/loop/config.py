@@ -20,7 +20,8 @@ class RunConfig:
 
     Units: `steps` = rollout batches; each is cut into `minibatches` optimizer steps, so the
     run makes steps × minibatches optimizer steps per objective. `prompts` × `G` responses per
-    rollout batch.
+    rollout batch. `micro_batch`: sequences per forward/backward inside an optimizer step
+    (gradient accumulation over whole groups; None = the whole step in one pass).
     """
 
     out: str = "runs/default"
@@ -35,6 +36,7 @@ class RunConfig:
     G: int = 8
     minibatches: int = 4
     split_groups: bool = False
+    micro_batch: int | None = None
     lr: float = 2e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -113,6 +115,13 @@ def validate(c: RunConfig) -> None:
     if c.minibatches > units:
         what = "responses" if c.split_groups else "prompts (groups stay whole)"
         raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
+    if c.micro_batch is not None:
+        if c.micro_batch < 1 or c.micro_batch % c.G:
+            raise ConfigError(f"--micro-batch: {c.micro_batch} is not a positive multiple of --G "
+                              f"{c.G} (micro-batches hold whole groups)")
+        if c.split_groups:
+            raise ConfigError("--micro-batch needs whole groups in every optimizer step: it "
+                              "cannot be combined with --split-groups")
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
