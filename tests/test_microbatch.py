@@ -16,18 +16,17 @@ import pytest
 import torch
 
 import gradlab
-from gradlab.loop.train import train
 from gradlab.core import objectives
 from gradlab.core.batch import TokenBatch, advantages
 from gradlab.loop.config import ConfigError, RunConfig
+from gradlab.loop.dist import Dist
 from gradlab.loop.logprobs import token_logps
 from gradlab.loop.metrics import StepMetrics
 from gradlab.loop.policy import load_policy
 from gradlab.loop.rollout import generate
 from gradlab.loop.step import _accumulate, micro_batches, optimizer_step
 from gradlab.loop.task import ArithmeticTask
-from gradlab.loop.train import Learner
-from gradlab.loop.dist import Dist
+from gradlab.loop.train import Learner, train
 
 G = 4
 VARIANTS = [(n, {}) for n in objectives.names()] + [
