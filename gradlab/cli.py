@@ -27,6 +27,7 @@ HELP = {
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
     "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
                    "gradient accumulation, same update; default: the whole step)",
+    "fsdp": "shard the policy with FSDP2 under torchrun (refused for now, see README)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "drift": "drift at each step's shared contexts (a small extra forward per step)",
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",

@@ -176,3 +176,42 @@ def test_bad_micro_batch_is_a_one_line_error():
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "12" in lines[0] and "--G 8" in lines[0], r.stderr
+
+
+def test_no_extra_model_copies(tmp_path):
+    """train() keeps no weights beside the learners' own (the last learner takes the loaded
+    model), and a checkpoint holds tied weights once without cloning any parameter."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gradlab.loop.store import RunStore, _dedupe
+    from gradlab.loop.train import make_learners
+
+    model, _ = load_policy()
+    cfg = RunConfig(objectives=["gspo", "grpo"], progress=False)
+    ls = make_learners(cfg, model, cfg.objectives)
+    assert ls[-1].model is model and ls[0].model is not model
+    cfgq = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       tie_word_embeddings=True)
+    tied = Qwen3ForCausalLM(cfgq)
+    sd = tied.state_dict()
+    out = _dedupe(sd)
+    assert len(out) == len(sd) - 1  # lm_head.weight is embed_tokens.weight
+    assert all(out[k].data_ptr() == sd[k].data_ptr() for k in out)  # no copies
+    store = RunStore(tmp_path / "run", {})
+    store.save_checkpoint("x", tied, torch.optim.SGD(tied.parameters(), lr=0.1), {"step": 1}, {})
+    back = load_file(tmp_path / "run" / "checkpoints" / "x" / "model.safetensors")
+    for k, v in out.items():
+        assert torch.equal(back[k], v.detach()), k
+
+
+def test_fsdp_is_refused_with_a_one_line_error_naming_the_device():
+    with pytest.raises(ConfigError, match=r"--fsdp: not supported on device 'cpu'"):
+        RunConfig(fsdp=True)
+    with pytest.raises(ConfigError, match=r"--fsdp: not implemented yet on 'cuda'"):
+        RunConfig(fsdp=True, device="cuda")
+    r = subprocess.run([sys.executable, "-m", "gradlab", "tandem", "--fsdp", "--out", "unused"],
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "'cpu'" in lines[0], r.stderr
