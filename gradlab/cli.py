@@ -12,17 +12,22 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
+from .core.variants import split_top
 from .loop.config import ConfigError, RunConfig
 from .loop.resume import given_options, with_stored_config
 
 HELP = {
-    "out": "run folder", "objectives": "comma-separated objective names",
+    "out": "run folder", "objectives": "comma-separated objective names, each optionally with parameters: "
+                  "'gspo,dfpo-orth[nodes=trie],gspo[eps=1e9]' (labelled by the whole string)",
     "objective_params": 'JSON, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'',
     "mode": "tandem: each objective trains its own policy; same-batch: the first objective "
             "trains, the others' W and residuals are computed on its batches",
     "task": "'arithmetic' or a .jsonl file of {prompt, answer}", "model": "local HF model folder",
     "steps": "rollout batches", "prompts": "prompts per rollout batch", "G": "responses per prompt",
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
+    "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
+                   "gradient accumulation, same update; default: the whole step)",
+    "fsdp": "shard the policy with FSDP2 under torchrun (refused for now, see README)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "drift": "drift at each step's shared contexts (a small extra forward per step)",
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
@@ -47,14 +52,17 @@ def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
             p.add_argument(flag, default=None, help=HELP.get(f.name))
         else:
             typ = float if isinstance(default, float) else int if isinstance(default, int) else str
-            typ = int if f.name == "max_new_tokens" else typ  # Optional[int], default None
+            typ = int if f.name in ("max_new_tokens", "micro_batch") else typ  # Optional[int], default None
             p.add_argument(flag, type=typ, default=default, help=HELP.get(f.name, "") + f" (default {default})")
 
 
 def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None) -> RunConfig:
     kw = {f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)}
     if a.objectives:
-        kw["objectives"] = [s.strip() for s in a.objectives.split(",") if s.strip()]
+        try:  # commas inside name[k=v, ...] brackets do not split
+            kw["objectives"] = split_top(a.objectives)
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
     elif objectives:
         kw["objectives"] = objectives
     else:

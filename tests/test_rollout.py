@@ -158,3 +158,71 @@ def test_row_keyed_sampling_is_independent_of_batch_layout():
     assert full.texts[4:8] == part.texts
     other = generate(model, tok, probs, G=4, max_new_tokens=12, row_keys=keys + 1)
     assert other.texts != full.texts
+
+
+def test_hashed_uniform_and_inverse_cdf_against_independent_computation():
+    """One float64 uniform per (key, t); the token is the first id whose CDF exceeds u * total."""
+    import numpy as np
+
+    from gradlab.loop.rollout import _sample, hashed_uniform
+
+    keys = torch.arange(20_000) + 7
+    u = hashed_uniform(keys, 3)
+    assert u.dtype == torch.float64 and u.shape == (20_000,)
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    assert not torch.equal(u, hashed_uniform(keys, 4))  # a fresh uniform per t
+    torch.testing.assert_close(hashed_uniform(keys[5:9], 3), u[5:9], rtol=0, atol=0)
+    # Exact token: independent numpy inverse CDF of the same tempered distribution.
+    logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(0)) * 2
+    tok, lp = _sample(logits, 0.7, None, keys[:200], t=3)
+    p = np.exp(torch.log_softmax(logits.double() / 0.7, -1).numpy())
+    cdf = p.cumsum(-1)
+    want = [(c > ui * c[-1]).argmax() for c, ui in zip(cdf, u[:200].numpy())]
+    assert tok.tolist() == want
+    torch.testing.assert_close(lp.double(), torch.log(torch.tensor(p[range(200), want])),
+                               atol=1e-5, rtol=0)
+    # Frequencies follow the distribution: one row, 20k keys.
+    row = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5]])
+    tok, _ = _sample(row.expand(20_000, 5), 1.0, None, keys, t=0)
+    freq = torch.bincount(tok, minlength=5).double() / 20_000
+    torch.testing.assert_close(freq, torch.softmax(row[0].double(), -1), atol=0.012, rtol=0)
+
+
+def test_vocab_mask_and_stop_list():
+    """Ids >= len(tokenizer) are never sampled; any generation_config eos id ends a row."""
+    from gradlab.loop.rollout import _sample, stop_ids
+
+    logits = torch.zeros(4000, 10)
+    logits[:, 7:] = 5.0  # most mass on the padded ids 7..9
+    tok, lp = _sample(logits, 1.0, None, torch.arange(4000), t=0, n_vocab=7)
+    assert int(tok.max()) < 7 and len(set(tok.tolist())) == 7
+    # the returned log-prob is the model's full-vocabulary one (what token_logps recomputes)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[0, 0].expand(4000))
+    g = torch.Generator().manual_seed(0)
+    tok, _ = _sample(logits, 1.0, g, None, n_vocab=7)
+    assert int(tok.max()) < 7
+    model, tok_ = load_policy()
+    model.generation_config.eos_token_id = [tok_.eos_token_id, tok_.convert_tokens_to_ids("=")]
+    try:
+        assert stop_ids(model, tok_) == sorted({tok_.eos_token_id, tok_.convert_tokens_to_ids("=")})
+        probs = ArithmeticTask().problems(3, seed=5)
+        ro = generate(model, tok_, probs, G=4, max_new_tokens=12, row_keys=torch.arange(12))
+    finally:
+        model.generation_config.eos_token_id = tok_.eos_token_id
+    eq = tok_.convert_tokens_to_ids("=")
+    for ids, m, text in zip(ro.response_ids, ro.response_mask, ro.texts):
+        body = ids[m].tolist()
+        assert eq not in body[:-1] and "=" not in text  # stopped at the first "=", not after
+        assert body[-1] == eq or len(body) == 12 or body[-1] == tok_.eos_token_id
+    assert sum(ids[m].tolist()[-1] == eq for ids, m in zip(ro.response_ids, ro.response_mask)) >= 6
+
+
+def test_over_long_prompt_is_named_before_sampling(setup):
+    model, tok, task, problems = setup
+    short_first = [problems[2], problems[3]]  # 5 and 7 tokens (one char each)
+    with pytest.raises(ValueError, match=r"^prompt 1 has 7 tokens > limit 6 \(--max-prompt-len\)$"):
+        generate(model, tok, short_first, G=2, max_new_tokens=4, max_prompt_len=6)
+    assert generate(model, tok, short_first, G=2, max_new_tokens=2, max_prompt_len=7).G == 2
+    n_pos = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"prompt 0 has 7 tokens > limit 2 \(max_position_embeddings {n_pos}"):
+        generate(model, tok, problems, G=2, max_new_tokens=n_pos - 2)

@@ -172,13 +172,17 @@ def _check_keys(model, missing: list[str], unexpected: list[str]) -> None:
 
 
 def _dedupe(sd: dict) -> dict:
-    """Tied weights share storage: safetensors refuses duplicates, keep the first name."""
+    """Tied weights share storage: safetensors refuses duplicates, keep the first name.
+
+    No copy is made of a tensor that owns its whole storage (every parameter of a HF model):
+    only a view into a larger storage is cloned, since safetensors writes whole storages."""
     seen, out = set(), {}
     for k, v in sd.items():
         key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
         if key not in seen:
             seen.add(key)
-            out[k] = v.clone()
+            whole = v.untyped_storage().nbytes() == v.numel() * v.element_size()
+            out[k] = v if whole else v.clone()
     return out
 
 

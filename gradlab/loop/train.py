@@ -51,9 +51,11 @@ class Learner:
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
+    """One learner per objective name; the last one trains `model` itself (no extra copy
+    of the weights is kept for the whole run), the others deep copies of it."""
     out = []
-    for name in names:
-        m = copy.deepcopy(model).to(cfg.device).train()
+    for k, name in enumerate(names):
+        m = (model if k == len(names) - 1 else copy.deepcopy(model)).to(cfg.device).train()
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # minibatch order
         obj = objectives.get(name, **cfg.objective_params.get(name, {}))
@@ -127,8 +129,10 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
-    learners = make_learners(cfg, model, trained)
+    # the probe set is drawn from the initial weights before the last learner takes them over
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
+    learners = make_learners(cfg, model, trained)
+    del model
     start = restore(store, learners, D) if resume else 0  # loop/resume.py
     tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
