@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     configs = QUICK if a.quick else FULL
     size = dict(BASE, prompts=2, G=4, minibatches=2) if a.quick else dict(BASE)
-    t0 = time.time()
+    t0, prov = time.time(), provenance("prop31.py", argv)  # the commit the run starts from
     nodes, steps = collect(configs, a.task, size)
     steps.to_csv(out / "prop31.csv", index=False, float_format="%.6g")
     table = fits(nodes, steps)
-    meta = {"provenance": provenance("prop31.py", argv), "task": a.task, "size": size,
+    meta = {"provenance": prov, "task": a.task, "size": size,
             "configs": [{"label": c, "objectives": o, "lr": lr, "rollout_steps": s}
                         for c, o, lr, s in configs],
             "node_records": len(nodes), "seconds": round(time.time() - t0), "fits": table}
