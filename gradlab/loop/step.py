@@ -150,6 +150,9 @@ def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.T
         if W is not None:
             W[p, :t] = probe.W.to(W.dtype)
         loss = loss + part_loss.detach()
+        # the entropy's graph is not freed by the loss's backward: drop it before the next
+        # micro-batch's forward, so at most one micro-batch's activations are ever alive
+        del lp, e, part_loss, mb, probe
     batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
                        adv[rows], ro.group[rows], n_seqs=norms[0], n_tokens=norms[1],
                        width=norms[2], validate=False)
