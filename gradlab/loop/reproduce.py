@@ -19,8 +19,9 @@ SUMMARY_METRICS = ["accuracy", "reward", "rho_prefix", "rho_trie", "shared_frac_
 
 
 def summarize(tidy: pd.DataFrame, last: int = 5) -> pd.DataFrame:
-    """Per objective: first-step and last-`last`-steps accuracy, means of the diagnostics,
-    tokens consumed and seconds per rollout step (median)."""
+    """Per objective: first-step and last-`last`-steps training accuracy, held-out accuracy at
+    the last evaluation (sampled and greedy, when evaluated), means of the diagnostics, tokens
+    consumed and seconds per rollout step (median)."""
     wide = tidy.pivot_table(index=["objective", "seed", "step"], columns="metric",
                             values="value").reset_index()
     rows = []
@@ -29,6 +30,9 @@ def summarize(tidy: pd.DataFrame, last: int = 5) -> pd.DataFrame:
         tail = d[d["step"] > d["step"].max() - last]
         row = {"objective": obj, "acc_first": d["accuracy"].iloc[0],
                f"acc_last{last}": tail["accuracy"].mean()}
+        for m in ("eval_accuracy", "eval_accuracy_greedy"):  # held-out, at the last evaluation
+            if m in d and d[m].notna().any():
+                row[f"{m}_final"] = d[m].dropna().iloc[-1]
         for m in SUMMARY_METRICS[1:]:
             if m in d:
                 row[m] = d[m].mean()
