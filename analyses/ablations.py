@@ -102,7 +102,7 @@ def table3(root: Path, fig3: Path, seeds, size: dict, eval_n: int, Gs):
                     "GSPO tax share": f"{w['tax_share']['gspo'].mean():.2g}",
                     "drift DFPO / GSPO (KL)": f"{w['probe_kl']['dfpo-min'].mean():.2g} / "
                                               f"{w['probe_kl']['gspo'].mean():.2g}",
-                    "tokens (k)": f"{w['tokens'].mean().mean() / 1e3:.0f}",
+                    "tokens": f"{w['tokens'].mean().mean():.0f}",
                     "paper (AIME25, points)": f"+{PAPER3[G]}" if G in PAPER3 else "—"})
         rows.append(row)
     return pd.DataFrame(rows), pd.concat(longs, ignore_index=True)

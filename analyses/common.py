@@ -215,7 +215,7 @@ def paired_table(wide: pd.DataFrame, labels: dict, base: str = "gspo") -> pd.Dat
         row.update({"ρ prefix": f"{o['rho_prefix'].mean():.2g}", "ρ trie": f"{o['rho_trie'].mean():.2g}",
                     "tax share": f"{o['tax_share'].mean():.2g}",
                     "drift (KL, nats)": f"{o['probe_kl'].mean():.2g}",
-                    "tokens (k)": f"{o['tokens'].mean() / 1e3:.0f}"})
+                    "tokens": f"{o['tokens'].mean():.0f}"})
         rows.append(row)
     return pd.DataFrame(rows)
 

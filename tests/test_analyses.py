@@ -50,8 +50,21 @@ def test_figure2_measured_sums(tmp_path):
 def test_figure3_quick(tmp_path):
     runs = tmp_path / "runs"
     assert figure3.main(["--quick", "--runs", str(runs), "--out", str(tmp_path)]) == 0
-    for f in ("figure3.png", "figure3_diagnostics.png", "figure3.csv"):
+    for f in ("figure3.png", "figure3_diagnostics.png", "figure3_paired.png", "figure3.csv"):
         assert (tmp_path / f).stat().st_size > 0, f
+    md = (tmp_path / "figure3.md").read_text()
+    assert all(label in md for label in figure3.LABELS.values()) and "paired" in md
+    meta = json.loads((tmp_path / "figure3.json").read_text())
+    assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
+    assert meta["provenance"]["command"].startswith("python analyses/figure3.py --quick")
+    # the paired curve is objective − GSPO at equal rollout steps, from the same table
+    tidy0 = pd.read_csv(tmp_path / "figure3.csv")
+    diff = figure3.paired_curves(tidy0, common.QUICK["minibatches"])
+    acc = tidy0[tidy0["metric"] == "accuracy"].set_index(["seed", "step", "objective"])["value"]
+    r = diff[(diff["objective"] == "grpo") & (diff["metric"] == "accuracy − gspo")].iloc[-1]
+    s, k = r["seed"], r["step"]
+    assert r["value"] == pytest.approx(100 * (acc[(s, k, "grpo")] - acc[(s, k, "gspo")]))
+    assert r["optimizer steps"] == (k + 1) * common.QUICK["minibatches"]
     tidy = pd.read_csv(tmp_path / "figure3.csv")
     assert list(tidy.columns) == ["run", "objective", "seed", "step", "tokens", "metric", "value"]
     assert set(tidy["objective"]) == set(figure3.OBJECTIVES)
