@@ -111,8 +111,9 @@ def load_run_policy(run: str | Path, objective: str | None = None):
     from gradlab.loop.task import get_task
 
     cfg = RunConfig.from_json(Path(run) / "config.json")
-    builtin = cfg.task == "arithmetic"
-    task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
+    arith = cfg.task == "arithmetic"
+    task = get_task(cfg.task, difficulty=cfg.difficulty) if arith else get_task(cfg.task)
+    builtin = cfg.task in ("arithmetic", "scaffold")  # the shipped policy of a built-in task
     model, tok = load_policy(cfg.model, task=task if builtin else None)
     if objective is not None:
         sd = load_file(Path(run) / "checkpoints" / objective / "model.safetensors")

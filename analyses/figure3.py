@@ -115,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", help="run folders (default runs/figure3, quick: runs/figure3-quick)")
     p.add_argument("--out", help="output folder (default figures/, quick: the runs folder)")
     p.add_argument("--steps", type=int, help="override the rollout steps")
-    p.add_argument("--eval-n", type=int, help="held-out problems per policy (default 256)")
+    p.add_argument("--eval-n", type=int, help="fresh problems per final policy when a run has "
+                   "no eval_accuracy (default 256)")
+    p.add_argument("--task", help="arithmetic (default) or scaffold; runs are held out by "
+                   "the loop's --eval-every (default 10): eval_accuracy is the held-out score")
     a = p.parse_args(argv)
     set_threads(1)
     a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
     if a.steps:
         size["steps"] = a.steps
+    if a.task:
+        size["task"] = a.task
     eval_n = a.eval_n or (16 if a.quick else 256)
     runs = Path(a.runs or ROOT / ("runs/figure3-quick" if a.quick else "runs/figure3"))
     out = Path(a.out or (runs if a.quick else FIGURES))
