@@ -111,8 +111,9 @@ def load_run_policy(run: str | Path, objective: str | None = None):
     from gradlab.loop.task import get_task
 
     cfg = RunConfig.from_json(Path(run) / "config.json")
-    builtin = cfg.task == "arithmetic"
-    task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
+    arith = cfg.task == "arithmetic"
+    task = get_task(cfg.task, difficulty=cfg.difficulty) if arith else get_task(cfg.task)
+    builtin = cfg.task in ("arithmetic", "scaffold")  # the shipped policy of a built-in task
     model, tok = load_policy(cfg.model, task=task if builtin else None)
     if objective is not None:
         sd = load_file(Path(run) / "checkpoints" / objective / "model.safetensors")
@@ -144,3 +145,87 @@ def provenance(script: str, argv: list[str] | None) -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "gradlab", "analyses")),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "command": " ".join(["python", f"analyses/{script}", *args])}
+
+
+# ----------------------------------------------------------------------------- per-seed rows
+# What each table row reports besides accuracy: the run's own measurements (MATH.md §3–4).
+MEASURED = {"rho_prefix": "mean over rollout steps of ρ at full-group nodes",
+            "rho_trie": "mean over rollout steps of ρ at trie nodes",
+            "tax_share": "mean over measured steps of ‖g_tax‖/‖g_total‖",
+            "probe_kl": "drift: cumulative KL at shared probe contexts, mean of the last 5 steps",
+            "tokens": "rollout tokens consumed by the end (compute)"}
+
+
+def heldout(tidy: pd.DataFrame, run: Path, objective: str, eval_n: int) -> tuple[float, str]:
+    """(accuracy, source) of an objective's final policy: the store's last `eval_accuracy`
+    (held-out set disjoint from training prompts) when the run has one, else `final_accuracy`
+    (eval_n fresh problems at temperature 1, same problems and sampling seed for every
+    objective; fresh draws, not disjoint from the training pool)."""
+    d = tidy[(tidy["objective"] == objective) & (tidy["metric"] == "eval_accuracy")]
+    d = d[d["run"] == run.name] if "run" in d else d
+    if len(d):
+        return float(d.sort_values("step")["value"].iloc[-1]), "eval_accuracy"
+    return final_accuracy(run, objective, n=eval_n), f"fresh{eval_n}"
+
+
+def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5) -> pd.DataFrame:
+    """One row per (seed, objective) of the runs root/seed{k}: heldout_acc (+ its source),
+    train_acc_last5 (mean training accuracy of the last `last` rollout steps), the MEASURED
+    columns and opt_steps (optimizer steps taken). Accuracies in 0..1."""
+    tidy = load_seeds(root)
+    rows = []
+    for k in seeds:
+        t = tidy[tidy["run"] == f"seed{k}"]
+        for n in names:
+            o = t[t["objective"] == n]
+            if o.empty:
+                raise ValueError(f"{root}/seed{k}: no rows for objective {n!r}")
+            m = {x: o[o["metric"] == x].sort_values("step") for x in
+                 ("accuracy", "rho_prefix", "rho_trie", "tax_share", "probe_kl")}
+            end = o["step"].max()
+            acc, src = heldout(t, root / f"seed{k}", n, eval_n)
+            rows.append({"seed": k, "objective": n, "heldout_acc": acc, "heldout_source": src,
+                         "train_acc_last5": m["accuracy"][m["accuracy"]["step"] > end - last]["value"].mean(),
+                         "rho_prefix": m["rho_prefix"]["value"].mean(),
+                         "rho_trie": m["rho_trie"]["value"].mean(),
+                         "tax_share": m["tax_share"]["value"].mean(),
+                         "probe_kl": m["probe_kl"]["value"].iloc[-last:].mean(),
+                         "tokens": float(o["tokens"].max()),
+                         "opt_steps": int(end + 1)})
+    return pd.DataFrame(rows)
+
+
+def paired_table(wide: pd.DataFrame, labels: dict, base: str = "gspo") -> pd.DataFrame:
+    """Markdown-ready rows per objective: accuracies as mean [95 % bootstrap] over seeds, the
+    paired difference to `base` (same seeds: same start, same prompts) with its 95 % paired
+    bootstrap interval (gradlab.stats.paired_bootstrap), and the MEASURED means."""
+    from gradlab.stats import paired_bootstrap
+
+    b = wide[wide["objective"] == base].set_index("seed")
+    rows = []
+    for n in labels:
+        o = wide[wide["objective"] == n].set_index("seed").loc[b.index]
+        row = {"variant": labels[n], "objective": n, "seeds": len(o)}
+        for col, name in (("heldout_acc", "held-out"), ("train_acc_last5", "train, last 5")):
+            row[f"{name} acc. (%)"] = fmt_ci(*bootstrap_ci(o[col]))
+            if n != base:
+                d = paired_bootstrap(100 * o[col], 100 * b[col])
+                row[f"{name} − {base} (points)"] = f"{d['mean']:+.1f} [{d['lo']:+.1f}, {d['hi']:+.1f}]"
+            else:
+                row[f"{name} − {base} (points)"] = "—"
+        row.update({"ρ prefix": f"{o['rho_prefix'].mean():.2g}", "ρ trie": f"{o['rho_trie'].mean():.2g}",
+                    "tax share": f"{o['tax_share'].mean():.2g}",
+                    "drift (KL, nats)": f"{o['probe_kl'].mean():.2g}",
+                    "tokens": f"{o['tokens'].mean():.0f}"})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def write_meta(path: Path, prov: dict, **extra) -> dict:
+    """A JSON file beside a figure's data: provenance (commit, threads, command; take it with
+    `provenance` when the script starts) and extra."""
+    import json
+
+    meta = {"provenance": prov, **extra}
+    path.write_text(json.dumps(meta, indent=1, default=str))
+    return meta

@@ -11,8 +11,15 @@ token counts) and draws mean and 95 % bootstrap band over seeds with
   figure3_diagnostics.png  beyond the paper: ρ per step (full-group and trie nodes), the
                            learning-tax drift (cumulative KL at fixed shared probe contexts),
                            ‖g_tax‖/‖g_total‖, token entropy, equal-solution log-odds
+  figure3_paired.png       each objective's training accuracy minus GSPO's, paired by seed (same
+                           start, same prompts), against optimizer steps (every objective takes
+                           the same number: the compute-matched axis), mean and 95 % band
   figure3.csv              the tidy table behind both: plotted metrics, raw (before interpolation)
-  and a markdown table: last-5-steps accuracy per objective, mean [95 % bootstrap] over seeds.
+  figure3.md, figure3.json per objective: held-out accuracy of the final policy and last-5-steps
+                           training accuracy, mean [95 % bootstrap] over seeds, the paired
+                           difference to GSPO [95 % paired bootstrap], measured ρ, tax share,
+                           drift and tokens (analyses.common.paired_table); provenance (commit,
+                           threads, command), size, seconds.
 
     python analyses/figure3.py                 # full: 5 seeds × 150 steps × 8 prompts × G=8
     python analyses/figure3.py --quick         # seconds: runs/figure3-quick, for tests
@@ -36,15 +43,19 @@ from analyses.common import (
     QUICK,
     ROOT,
     align_tokens,
-    bootstrap_ci,
-    fmt_ci,
     load_seeds,
+    paired_table,
+    per_seed,
+    provenance,
     run_seeds,
     set_threads,
+    write_meta,
 )
 from gradlab import viz as plots
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo", "grpo"]
+LABELS = {"dfpo-min": "DFPO (Min-Replace)", "dfpo-orth": "DFPO (Orth-Proj)",
+          "gspo": "GSPO (baseline)", "grpo": "GRPO (token mean)"}
 FULL = dict(steps=150, prompts=8, G=8, minibatches=4, tax_every=5, progress=True)
 MAIN = [("accuracy", "accuracy (training samples, temperature 1)"),
         ("reward", "reward")]
@@ -56,20 +67,26 @@ BEYOND = [("rho_prefix", "cancellation ratio ρ, full-group nodes"),
           ("logodds", "equal-solution log-odds log π(a)/π(b)")]
 
 
-def final_table(tidy: pd.DataFrame, metric: str = "accuracy", last: int = 5) -> pd.DataFrame:
-    """Per objective: mean of `metric` over each seed's last `last` rollout steps, then mean and
-    95 % bootstrap interval over seeds. Columns: objective, seeds, value (formatted, in %)."""
-    d = tidy[tidy["metric"] == metric]
+def paired_curves(tidy: pd.DataFrame, minibatches: int, base: str = "gspo") -> pd.DataFrame:
+    """Tidy rows per (seed, objective ≠ base, rollout step): `accuracy − base` (points) and
+    `tokens vs base` (rollout tokens consumed so far, % above base's), x = optimizer steps
+    taken by then ((step + 1) · minibatches; equal for every objective)."""
+    acc = tidy[tidy["metric"] == "accuracy"]
+    wide = {c: acc.pivot_table(index=["run", "seed", "step"], columns="objective", values=c)
+            for c in ("value", "tokens")}
     rows = []
-    for obj, o in d.groupby("objective", sort=False):
-        per_seed = o[o["step"] > o["step"].max() - last].groupby("seed")["value"].mean()
-        rows.append({"objective": obj, "seeds": len(per_seed),
-                     f"{metric}, last {last} steps (%)": fmt_ci(*bootstrap_ci(per_seed))})
-    return pd.DataFrame(rows)
+    for obj in wide["value"].columns.drop(base):
+        d = (100 * (wide["value"][obj] - wide["value"][base])).rename("value").reset_index()
+        rows.append(d.assign(objective=obj, metric=f"accuracy − {base}"))
+        t = (100 * (wide["tokens"][obj] / wide["tokens"][base] - 1)).rename("value").reset_index()
+        rows.append(t.assign(objective=obj, metric=f"tokens vs {base}"))
+    out = pd.concat(rows, ignore_index=True)
+    out["optimizer steps"] = (out["step"] + 1) * minibatches
+    return out
 
 
 def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFrame:
-    """Train (or reuse) the seeds, draw both figures, write the CSV; returns the tidy table."""
+    """Train (or reuse) the seeds, draw the figures, write the CSV; returns the tidy table."""
     run_seeds(runs, seeds, objectives=OBJECTIVES, **size)
     tidy = load_seeds(runs)
     tidy = tidy[tidy["seed"].isin(list(seeds))]
@@ -78,6 +95,13 @@ def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFr
     plots.save(plots.training_curves(aligned, MAIN, smooth=smooth), out / "figure3.png")
     plots.save(plots.training_curves(aligned, BEYOND, smooth=smooth),
                out / "figure3_diagnostics.png")
+    diff = paired_curves(tidy, size["minibatches"])
+    title = ("paired by seed (same start, same prompts), at equal optimizer steps; "
+             "mean and 95 % bootstrap band over seeds")
+    plots.save(plots.training_curves(diff, [("accuracy − gspo", "training accuracy − GSPO's (points)"),
+                                           ("tokens vs gspo", "rollout tokens consumed vs GSPO's (%)")],
+                                     x="optimizer steps", smooth=max(smooth, 5), title=title),
+               out / "figure3_paired.png")
     # the data behind the figures: the plotted metrics (the full tables stay in the run folders)
     plotted = [m for m, _ in MAIN + BEYOND] + ["logodds_abs", "forms_entropy"]
     tidy[tidy["metric"].isin(plotted)].to_csv(out / "figure3.csv", index=False)
@@ -91,20 +115,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", help="run folders (default runs/figure3, quick: runs/figure3-quick)")
     p.add_argument("--out", help="output folder (default figures/, quick: the runs folder)")
     p.add_argument("--steps", type=int, help="override the rollout steps")
+    p.add_argument("--eval-n", type=int, help="fresh problems per final policy when a run has "
+                   "no eval_accuracy (default 256)")
+    p.add_argument("--task", help="arithmetic (default) or scaffold; runs are held out by "
+                   "the loop's --eval-every (default 10): eval_accuracy is the held-out score")
     a = p.parse_args(argv)
     set_threads(1)
     a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
     if a.steps:
         size["steps"] = a.steps
+    if a.task:
+        size["task"] = a.task
+    eval_n = a.eval_n or (16 if a.quick else 256)
     runs = Path(a.runs or ROOT / ("runs/figure3-quick" if a.quick else "runs/figure3"))
     out = Path(a.out or (runs if a.quick else FIGURES))
-    t0 = time.time()
-    tidy = make(runs, out, range(a.seeds), size, smooth=1 if a.quick else 3)
-    print(final_table(tidy).to_markdown(index=False))
-    print(f"figure3: {a.seeds} seeds × {size['steps']} steps × {size['prompts']} prompts × "
-          f"G={size['G']} → {out}/figure3.png, figure3_diagnostics.png, figure3.csv "
-          f"in {time.time() - t0:.0f} s")
+    t0, prov = time.time(), provenance("figure3.py", argv)
+    make(runs, out, range(a.seeds), size, smooth=1 if a.quick else 3)
+    wide = per_seed(runs, range(a.seeds), OBJECTIVES, eval_n)
+    table = paired_table(wide, LABELS)
+    seconds = time.time() - t0
+    src = ", ".join(sorted(set(wide["heldout_source"])))
+    md = [f"Mean [95 % bootstrap] over seeds; difference to GSPO paired by seed [95 % paired "
+          f"bootstrap]; held-out source: {src}", "", table.drop(columns="objective").to_markdown(index=False), "",
+          f"{a.seeds} seeds × {size['steps']} rollout steps × {size['prompts']} prompts × "
+          f"G={size['G']}, {size['minibatches']} minibatches ({size['steps'] * size['minibatches']} "
+          f"optimizer steps per objective); {seconds:.0f} s; `{prov['command']}` at "
+          f"{prov['commit'][:10]}, {prov['threads']} thread(s)."]
+    (out / "figure3.md").write_text("\n".join(md) + "\n")
+    write_meta(out / "figure3.json", prov, size=size, seeds=a.seeds, eval_n=eval_n,
+               seconds=round(seconds), runs=str(runs), table=table.to_dict("records"),
+               per_seed=wide.to_dict("records"))
+    print("\n".join(md))
+    print(f"figure3 → {out}/figure3.png, figure3_diagnostics.png, figure3_paired.png, "
+          f"figure3.csv, figure3.md, figure3.json in {seconds:.0f} s")
     return 0
 
 

@@ -123,14 +123,27 @@ def test_bad_input_names_the_fault(micro):
 
 def test_real_tandem_step(tmp_path):
     """On real optimizer steps of the loop: the recomputed gradient is the one the optimizer
-    used, the Adam rebuild is the step taken, and the measured KL is ½δᵀFδ within 10 %."""
+    used, the Adam rebuild is the step taken, and the measured KL → ½δᵀFδ at second order.
+
+    Per node context at the default lr 2e-4 the ratio KL / ½δᵀFδ spreads widely on this tiny
+    batch (measured 0.74–1.52 over its 13 contexts; 0.95–1.14 per step in figures/prop31.json),
+    so a fixed tolerance there tests the sample, not the claim. What Prop. 3.1 asserts is the
+    order: KL − ½δᵀFδ = O(‖δ‖³), i.e. the relative deviation shrinks ∝ ‖δ‖. The same samples
+    at lr 2e-5 (Adam's first steps scale δ by exactly the lr ratio) must give ~10× smaller
+    deviations (measured 0.08–0.12× on the six with |dev| > 0.1) and all within 5 %."""
     from gradlab.loop.prop31 import prop31_tandem
 
-    cfg = RunConfig(out=str(tmp_path), objectives=["gspo"], steps=1, prompts=2, G=4,
-                    minibatches=2, probes=False, progress=False)
-    recs = prop31_tandem(cfg)
-    assert recs and {r["opt_step"] for r in recs} <= {0, 1}
-    for r in recs:
+    runs = {}
+    for lr in (2e-4, 2e-5):
+        cfg = RunConfig(out=str(tmp_path / str(lr)), objectives=["gspo"], steps=1, prompts=2,
+                        G=4, minibatches=2, probes=False, progress=False, lr=lr)
+        runs[lr] = prop31_tandem(cfg)
+    big, small = runs[2e-4], runs[2e-5]
+    assert big and len(big) == len(small) and {r["opt_step"] for r in big} <= {0, 1}
+    for r in big + small:
         assert r["grad_match"] < 1e-5 and r["adam_match"] < 1e-3
-        assert r["kl"] > 0 and abs(r["kl"] / r["half_delta"] - 1) < 0.1
-        assert 0 <= r["half_res_adam"] <= r["half_delta"] * 1.01 + 1e-30
+        assert r["kl"] > 0 and 0 <= r["half_res_adam"] <= r["half_delta"] * 1.01 + 1e-30
+    for rb, rs in zip(big, small):
+        dev_b, dev_s = rb["kl"] / rb["half_delta"] - 1, rs["kl"] / rs["half_delta"] - 1
+        assert abs(dev_s) < 0.05
+        assert abs(dev_s) <= 0.15 * abs(dev_b) + 2e-3  # third-order remainder ∝ ‖δ‖
