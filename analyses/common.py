@@ -126,3 +126,21 @@ def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 77
 
     model, tok, task, _ = load_run_policy(run, objective)
     return evaluate(model, tok, task, n=n, seed=seed)["accuracy"]
+
+
+def provenance(script: str, argv: list[str] | None) -> dict:
+    """What a committed figure's data must record: the commit (and whether the tree had
+    uncommitted changes), torch's intra-op thread count, and the command that made it."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "gradlab", "analyses")),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "command": " ".join(["python", f"analyses/{script}", *args])}

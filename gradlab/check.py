@@ -19,7 +19,9 @@ equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.
 scenario max |Δρ| ≤ max_abs, and per source the mean signed Δρ ≤ mean (a drift of everything at
 once). The baseline records the environment it was made in; if the sampled rollout differs
 (another torch, another CPU) the model scenarios skip the baseline comparison and say so, and
-still check the invariants. Exit code 0: all good; 1: a violation (named); 2: bad arguments.
+still check the invariants. Exit code 0: all good; 1: a violation (named); 2: bad arguments;
+3: the user's loss raised or returned a non-scalar (its traceback is shown). `--loss
+pkg.mod:fn` imports from the working directory first.
 
     gradlab check                         # built-in objectives vs MATH.md and the baseline
     gradlab check --only gspo             # scenarios whose name contains "gspo"
@@ -44,8 +46,6 @@ import argparse
 import contextlib
 import copy
 import hashlib
-import importlib
-import importlib.util
 import json
 import platform
 import sys
@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
 
 BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
 SEEDS = (0, 1, 2)
@@ -146,30 +148,11 @@ def builtin_scenarios() -> list[Scenario]:
 
 def user_scenarios(spec: str, expect: str) -> list[Scenario]:
     """Scenarios for a user loss `module:function` or `path/file.py:function`."""
-    fn = load_loss(spec)
+    fn = guarded(load_loss(spec), spec)
     label = "loss:" + spec.rsplit(":", 1)[1]
     mark = {"cancels": "0", "residual": ".", "none": "."}[expect]
     return [Scenario(f"model/{label}/{c[6:]}" if c.startswith("model") else f"synthetic/{label}/{c}",
                      lambda: fn, None, {"rho_prefix": mark, "rho_trie": "."}) for c in COLUMNS]
-
-
-def load_loss(spec: str) -> Callable:
-    if ":" not in spec:
-        raise ValueError(f"--loss {spec!r}: expected module:function or path/file.py:function")
-    mod_name, fn_name = spec.rsplit(":", 1)
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if not path.is_file():
-            raise ValueError(f"--loss {spec!r}: no file {path}")
-        s = importlib.util.spec_from_file_location(path.stem, path)
-        mod = importlib.util.module_from_spec(s)
-        s.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(mod_name)
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"--loss {spec!r}: {mod_name} has no callable {fn_name!r}")
-    return fn
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -415,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as e:
         print(f"gradlab check: error: {e}", file=sys.stderr)
         return 2
+    except UserLossError as e:
+        return report_raised(e)
     scenarios = [s for s in scenarios if (not a.only or a.only in s.key)
                  and not (a.no_model and s.source == "model")]
     if not scenarios:
@@ -423,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
     base = json.loads(path.read_text()) if path and path.is_file() else {}
     tol = base.get("tolerance", DEFAULT_TOL)
-    results, fp = run(scenarios)
+    try:
+        results, fp = run(scenarios)
+    except UserLossError as e:
+        return report_raised(e)
     check_invariants(results, scenarios, tol)
     msgs, notes = ([], []) if a.update else compare(results, base, fp, tol)
     if a.loss and a.expect == "residual" and max(max(r.rho_prefix) for r in results) < tol["positive"]:

@@ -12,16 +12,22 @@ import sys
 import time
 from dataclasses import MISSING, fields
 
+from .core.variants import split_top
 from .loop.config import ConfigError, RunConfig
+from .loop.resume import given_options, with_stored_config
 
 HELP = {
-    "out": "run folder", "objectives": "comma-separated objective names",
+    "out": "run folder", "objectives": "comma-separated objective names, each optionally with parameters: "
+                  "'gspo,dfpo-orth[nodes=trie],gspo[eps=1e9]' (labelled by the whole string)",
     "objective_params": 'JSON, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'',
     "mode": "tandem: each objective trains its own policy; same-batch: the first objective "
             "trains, the others' W and residuals are computed on its batches",
     "task": "'arithmetic' or a .jsonl file of {prompt, answer}", "model": "local HF model folder",
     "steps": "rollout batches", "prompts": "prompts per rollout batch", "G": "responses per prompt",
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
+    "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
+                   "gradient accumulation, same update; default: the whole step)",
+    "fsdp": "shard the policy with FSDP2 under torchrun (refused for now, see README)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "drift": "drift at each step's shared contexts (a small extra forward per step)",
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
@@ -32,6 +38,11 @@ HELP = {
     "grad_checkpointing": "recompute activations in backward (model.gradient_checkpointing_enable)",
     "verifier": "JSONL answers: exact (text after the last '=') or math (math-verify; "
                 "pip install gradlab[math])",
+    "on_nonfinite": "a non-finite loss, gradient or parameter: stop (exit code 3) or skip the "
+                    "update (counted as nonfinite_steps)",
+    "threads": "torch intra-op threads (0 = torch's current count); recorded in config.json: "
+               "results are bitwise identical at a fixed thread count",
+>>>>>>> main
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }
@@ -47,14 +58,17 @@ def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
             p.add_argument(flag, default=None, help=HELP.get(f.name))
         else:
             typ = float if isinstance(default, float) else int if isinstance(default, int) else str
-            typ = int if f.name in ("max_new_tokens", "max_prompt_len") else typ  # Optional[int]
+            typ = int if f.name in ("max_new_tokens", "micro_batch", "max_prompt_len") else typ  # Optional[int]
             p.add_argument(flag, type=typ, default=default, help=HELP.get(f.name, "") + f" (default {default})")
 
 
 def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None) -> RunConfig:
     kw = {f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)}
     if a.objectives:
-        kw["objectives"] = [s.strip() for s in a.objectives.split(",") if s.strip()]
+        try:  # commas inside name[k=v, ...] brackets do not split
+            kw["objectives"] = split_top(a.objectives)
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
     elif objectives:
         kw["objectives"] = objectives
     else:
@@ -74,6 +88,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     objectives = [a.objective] if getattr(a, "objective", None) else None
     cfg = config_from_args(a, objectives)
+    if a.resume:  # options not typed are the stored ones (loop/resume.py)
+        cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
     store = train(cfg, resume=a.resume)
     print(f"run folder: {store.path}  (read it with gradlab.load_run)")
     return 0
@@ -83,6 +99,8 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     from .loop.reproduce import reproduce
 
     cfg = config_from_args(a)
+    if a.resume:
+        cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
     t0 = time.time()
     summary = reproduce(cfg, resume=a.resume)
     print(summary)
@@ -166,9 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
         return _delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
+    from .loop.guard import EXIT_NONFINITE, NonFiniteError
+    from .loop.store import CorruptFileError
+
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+    except NonFiniteError as e:
+        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (ConfigError, FileNotFoundError, FileExistsError, CorruptFileError) as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

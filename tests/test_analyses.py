@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analyses import ablations, common, figure2, figure3  # noqa: E402
+from analyses import ablations, common, figure2, figure3, prop31  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -94,3 +94,20 @@ def test_align_tokens_interpolates_onto_a_common_grid():
     assert grid[0] == 12 and grid[-1] == 30 and len(grid) == 5
     assert np.allclose(out["value"], out["tokens"] / 100)  # linear data stays linear
     assert out.groupby("tokens")["seed"].nunique().eq(2).all()  # every grid point has both
+
+
+def test_prop31_quick(tmp_path):
+    """Real steps: measured KL ≈ ½δᵀFδ per step; the files record commit, threads, command."""
+    import json
+
+    assert prop31.main(["--quick", "--out", str(tmp_path)]) == 0
+    steps = pd.read_csv(tmp_path / "prop31.csv")
+    assert {"kl_measured", "kl_predicted", "kl_res", "tax_share", "clip"} <= set(steps.columns)
+    assert set(steps["config"]) == {c for c, *_ in prop31.QUICK}
+    r = steps["kl_measured"] / steps["kl_predicted"]
+    assert (steps["kl_measured"] > 0).all() and r.between(0.5, 2).all()
+    assert (steps["kl_res"] <= steps["kl_predicted"] * 1.01).all()
+    meta = json.loads((tmp_path / "prop31.json").read_text())
+    assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
+    assert meta["provenance"]["command"].startswith("python analyses/prop31.py --quick")
+    assert (tmp_path / "prop31.png").stat().st_size > 10_000

@@ -347,7 +347,9 @@ def test_schedule_and_disabled_probe(setup):
 
 
 def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
-    """The loop's cheap drift (rep rows, truncated forward) equals node_drift on full forwards."""
+    """The loop's drift (rep rows, truncated forwards, node distributions only) equals
+    node_drift on full (B, T, V) forwards before and after: node KL and Δlog π every step,
+    divergent Δlog π by sign of A on heavy steps."""
     import copy
 
     from gradlab.core.nodes import shared_nodes
@@ -356,7 +358,7 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     from gradlab.loop.metrics import StepMetrics
     from gradlab.loop.policy import load_policy
     from gradlab.loop.rollout import generate
-    from gradlab.loop.step import drift_step
+    from gradlab.loop.step import drift_step, node_logprobs
     from gradlab.loop.task import ArithmeticTask
     from gradlab.loop.train import Learner
 
@@ -365,27 +367,42 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     ro = generate(model, tok, task.problems(3, seed=1), G=4, max_new_tokens=12,
                   row_keys=torch.arange(12))
     rows = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3])
-    _, before = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                            ro.response_ids[rows], ro.response_mask[rows], return_logprobs=True)
+    args = (ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+            ro.response_mask[rows])
+    with torch.no_grad():
+        lp_before, before = token_logps(model, *args, return_logprobs=True)
     z = torch.zeros(ro.response_ids[rows].shape)
-    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], z, z, z[:, 0],
-                           ro.group[rows])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.0])
+    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp_before, z, adv,
+                   ro.group[rows])
     sn = shared_nodes(b, "prefix")
     assert sn.n > 0
     after_model = copy.deepcopy(model)
     with torch.no_grad():
         for p in after_model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    L = Learner("x", None, after_model, None, None)
-    cfg = RunConfig(progress=False)
+        _, after = token_logps(after_model, *args, return_logprobs=True)
+    ref = node_drift(before, after, b, sn)  # independent: full distributions everywhere
     out = {}
-    for heavy in (False, True):
+    for heavy, mb in ((False, None), (True, None), (True, 4)):
+        cfg = RunConfig(progress=False, G=4, micro_batch=mb)
+        nodes_before = node_logprobs(model, cfg, ro, rows, sn)
+        assert torch.allclose(nodes_before, before[sn.rep, sn.position], atol=1e-5)
         acc = StepMetrics()
-        drift_step(L, cfg, ro, rows, b, before.detach(), sn, heavy, acc)
-        out[heavy] = acc.finish()
-    for k in ("drift_node_kl_mean", "drift_node_dlogp_mean", "drift_node_count"):
-        assert out[False][k] == pytest.approx(out[True][k], rel=1e-4, abs=1e-9), k
-    assert out[True]["drift_node_kl_mean"] > 0
+        drift_step(Learner("x", None, after_model, None, None), cfg, ro, rows, b, nodes_before,
+                   sn, heavy, acc)
+        out[heavy, mb] = acc.finish()
+        for k in ("node_kl", "node_dlogp"):
+            assert out[heavy, mb][f"drift_{k}_mean"] == pytest.approx(float(ref[f"{k}_mean"]),
+                                                                     rel=1e-4, abs=1e-9), k
+        assert out[heavy, mb]["drift_node_count"] == int(ref["node_count"])
+    assert out[False, None]["drift_node_kl_mean"] > 0
+    assert not any(k.startswith("drift_div") for k in out[False, None])
+    for mb in (None, 4):
+        for key in ("div_pos", "div_neg"):
+            assert out[True, mb][f"drift_{key}_count"] == int(ref[f"{key}_count"]) > 0
+            assert out[True, mb][f"drift_{key}_dlogp_mean"] == pytest.approx(
+                float(ref[f"{key}_dlogp_mean"]), rel=1e-4, abs=1e-7), key
 
 
 def test_loop_tax_from_representative_rows_equals_learning_tax():

@@ -86,6 +86,21 @@ class TokenBatch:
         kw.update(changes)
         return TokenBatch(**kw)
 
+    def inert(self) -> TokenBatch:
+        """A copy whose logps, old_logps and ref_logps are 0 outside the mask (B, T).
+
+        Padded positions may hold anything (NaN, ±inf, garbage); every objective reads the
+        batch through this, so such values never reach a loss, W or a report. `torch.where`
+        keeps the graph: the gradient reaches `logps` inside the mask and is 0 outside.
+        """
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("logps", "old_logps", "ref_logps"):
+            v = kw[name]
+            if v is not None:
+                kw[name] = torch.where(self.mask, v, torch.zeros((), dtype=v.dtype, device=v.device))
+        kw["validate"] = False  # the masked-in values are the ones validated at construction
+        return TokenBatch(**kw)
+
     def to(self, device: torch.device | str) -> TokenBatch:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in kw.items():

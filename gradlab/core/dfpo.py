@@ -69,11 +69,14 @@ def transform_weights(
 
 
 def _argmin_per_node(wv: Tensor, idx: Tensor, n: int) -> Tensor:
-    """(N,) flat index (into the K shared entries) of each node's smallest w (first on ties)."""
+    """(N,) flat index (into the K shared entries) of each node's smallest w (first on ties).
+
+    A node whose w holds a NaN has no member equal to its min (amin propagates NaN): it takes
+    its first NaN member, so w̃ is NaN there (NaN in → NaN out, never an IndexError)."""
     mn = torch.full((n,), float("inf"), dtype=wv.dtype, device=wv.device)
     mn = mn.scatter_reduce(0, idx, wv, reduce="amin")
     k = torch.arange(wv.numel(), device=wv.device)
-    is_min = wv == mn[idx]
+    is_min = (wv == mn[idx]) | (torch.isnan(wv) & torch.isnan(mn[idx]))
     src = torch.full((n,), wv.numel(), dtype=torch.long, device=wv.device)
     return src.scatter_reduce(0, idx[is_min], k[is_min], reduce="amin")
 

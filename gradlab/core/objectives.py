@@ -19,12 +19,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import variants
 from .batch import TokenBatch
 from .dfpo import SCOPES, TRANSFORMS, node_map, transform_vjp, transform_weights
 from .nodes import NODE_KINDS, shared_nodes
 
 NORMS = ("seq", "token", "const")
 MECHANISMS = ("coupling", "length", "clip")
+CLIPS = ("base", "free")  # DFPO clip readings (MATH.md §5)
 
 
 def _f(x: Tensor) -> Tensor:
@@ -76,7 +78,8 @@ class Objective:
 
     # --- shared --------------------------------------------------------------------------
     def loss(self, batch: TokenBatch) -> Tensor:
-        """Scalar loss, differentiable w.r.t. batch.logps."""
+        """Scalar loss, differentiable w.r.t. batch.logps (values outside the mask are inert)."""
+        batch = batch.inert()
         return self.policy_loss(batch) + self._kl_loss(batch)
 
     def modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
@@ -84,6 +87,7 @@ class Objective:
         bad = set(off) - set(MECHANISMS)
         if bad:
             raise ValueError(f"{self.name}: unknown mechanism(s) {sorted(bad)}; valid: {MECHANISMS}")
+        batch = batch.inert()  # NaN/±inf at padded positions change nothing
         with torch.no_grad():
             return self.policy_modulation(batch, tuple(off)) + self._kl_modulation(batch)
 
@@ -95,6 +99,7 @@ class Objective:
         return loss, stats
 
     def stats(self, batch: TokenBatch) -> dict:
+        batch = batch.inert()
         m = batch.mask
         r = torch.exp(_f(batch.logps.detach()) - _f(batch.old_logps))
         w = self.policy_modulation(batch)
@@ -287,19 +292,28 @@ class DFPO(Objective):
     L = −Σ A_i w̃_{i,t}(θ) l_{i,t} with gradients flowing through w̃ (through s_i and the min);
     supported for base "gspo" only. The loss value with stop_grad=True equals the base
     objective's loss value (the surrogate only changes the gradient).
+
+    clip (our reading, MATH.md §5; the paper calls DFPO "clip-free" without a formula):
+      "base" (default): w carries the base objective's clip indicator (for GSPO w_i = 0 once s_i
+          leaves [1−lo, 1+hi]); Min-Replace then zeroes a whole node when one member is clipped.
+      "free": no clip indicator anywhere, shared or not: w = the base w with the indicator set
+          to 1, so the trust region rests on the stop-gradient weights and the step size alone.
+    At full-group nodes both readings give the same parameter gradient (the node adds
+    (Σ_i A_i w̃_i)·∇l = 0 whatever w̃ is; tests/test_fair.py); they differ outside shared
+    positions and at trie nodes. With clip="free", stats report clip_frac = 0.
     """
 
     name = "dfpo"
 
     def __init__(self, base: str = "gspo", transform: str = "min", scope: str = "shared",
                  nodes: str = "prefix", stop_grad: bool = True, factor: float = 0.5,
-                 eps=None, beta: float = 0.0) -> None:
+                 eps=None, beta: float = 0.0, clip: str = "base") -> None:
         super().__init__(beta)
         bases = {"gspo": GSPO, "gspo-token": GSPOToken, "grpo": GRPO}
         if base not in bases:
             raise ValueError(f"dfpo: unknown base={base!r}; valid: {tuple(bases)}")
         for arg, val, valid in (("transform", transform, TRANSFORMS), ("scope", scope, SCOPES),
-                                ("nodes", nodes, NODE_KINDS)):
+                                ("nodes", nodes, NODE_KINDS), ("clip", clip, CLIPS)):
             if val not in valid:
                 raise ValueError(f"dfpo: unknown {arg}={val!r}; valid: {valid}")
         if not stop_grad and base != "gspo":
@@ -307,16 +321,23 @@ class DFPO(Objective):
         self.base = bases[base](**({} if eps is None else {"eps": eps}))
         self.transform, self.scope, self.nodes = transform, scope, nodes
         self.stop_grad, self.factor = bool(stop_grad), float(factor)
+        self.clip = clip
 
     def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
         return self.base.norm(batch, off)
 
     def stats(self, batch: TokenBatch) -> dict:
-        """The base objective's clip figures (a Min-Replace zero is not a clip)."""
-        return self.base.stats(batch)
+        """The base objective's clip figures (a Min-Replace zero is not a clip); clip_frac = 0
+        with clip="free" (nothing is clipped)."""
+        st = self.base.stats(batch)
+        if self.clip == "free":
+            st["clip_frac"] = torch.zeros_like(st["clip_frac"])
+        return st
 
     def tilde(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> tuple[Tensor, Tensor]:
         """(w, w̃), both (B, T); with a graph through w when grad."""
+        if self.clip == "free":  # no clip indicator anywhere (the "clip" mechanism switched off)
+            off = tuple(off) + ("clip",)
         w = self.base.weight(batch, off, grad=grad)
         node, n = node_map(batch, self.scope, self.nodes)
         return w, transform_weights(w, batch.advantages, node, n, self.transform, self.factor)
@@ -364,21 +385,29 @@ def _registry() -> dict[str, Callable[..., Objective]]:
 
 
 def names() -> list[str]:
-    """The valid objective names."""
+    """The valid objective names (each also takes bracketed parameters, `gradlab.core.variants`)."""
     return list(_registry())
 
 
 def get(name: str, **params) -> Objective:
     """Build an objective by name, e.g. get("grpo", norm="seq"), get("dfpo", transform="orth").
 
-    Unknown names and parameters raise ValueError listing the valid ones.
+    `name` may carry bracketed parameters, get("dfpo-orth[nodes=trie]") (gradlab.core.variants);
+    they merge with `params` (a key given both ways is an error). Unknown names and parameters
+    raise ValueError naming them and listing the valid ones.
     """
+    base, inline = variants.parse(name)
+    both = sorted(set(inline) & set(params))
+    if both:
+        raise ValueError(f"objective {name!r}: parameter(s) {both} given in brackets and as keywords")
+    params = {**inline, **params}
     reg = _registry()
-    if name not in reg:
-        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(reg)}")
-    cls = {"dfpo-min": "dfpo", "dfpo-orth": "dfpo", "dfpo-scale": "dfpo"}.get(name, name)
+    if base not in reg:
+        raise ValueError(f"unknown objective {name!r}; valid: {', '.join(reg)}"
+                         " (each optionally with [key=value, ...])")
+    cls = {"dfpo-min": "dfpo", "dfpo-orth": "dfpo", "dfpo-scale": "dfpo"}.get(base, base)
     valid = [p for p in inspect.signature(reg[cls]).parameters if p != "self"]
     bad = [p for p in params if p not in valid]
     if bad:
         raise ValueError(f"objective {name!r}: unknown parameter(s) {bad}; valid: {valid}")
-    return reg[name](**params)
+    return reg[base](**params)

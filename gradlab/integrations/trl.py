@@ -42,6 +42,7 @@ from ..core.nodes import NODE_KINDS, SharedNodes, shared_nodes
 from ..loop.store import RunStore
 from ..loop.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
+from .trl_resume import ResumeMixin, open_store
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
 
@@ -212,7 +213,7 @@ def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
 # ----------------------------------------------------------------------------- the trainer
 
 
-class GradlabMixin:
+class GradlabMixin(ResumeMixin):
     """Mix into any `GRPOTrainer` (sub)class: `class T(GradlabMixin, GRPOTrainer)`.
 
     Extra keyword `gradlab: GradlabConfig`. After training: `gradlab_window` (last `Window`),
@@ -227,6 +228,7 @@ class GradlabMixin:
         self._gl_parts: list[dict] = []  # one per loss call of the current window
         self._gl_armed, self._gl_inputs = False, None
         self._gl_tokens = 0
+        self._gl_win0 = 0  # windows of earlier runs this one resumes (gradlab_state.json)
         self.gradlab_window: Window | None = None
         self.gradlab_windows: list[Window] = []
         self.gradlab_store = self._gl_make_store()
@@ -264,8 +266,8 @@ class GradlabMixin:
             return None
         path = os.path.join(self.args.output_dir, "gradlab") if path == "auto" else path
         trl_cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str))}
-        return RunStore(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
-                               "objective": self._gl_label()}, resume=self.gradlab.resume)
+        return open_store(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
+                                 "objective": self._gl_label()}, self.gradlab.resume)
 
     # --- TRL overrides -----------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -410,7 +412,7 @@ class GradlabMixin:
         batch = TokenBatch(tokens=t["tokens"], mask=t["mask"].bool(), logps=t["logps"],
                            old_logps=t["old"], advantages=t["adv"].to(t["W"].dtype),
                            group=t["group"], validate=False)
-        k = parts[0]["micro"] // self.args.steps_per_generation  # window (pass) index
+        k = self._gl_win0 + parts[0]["micro"] // self.args.steps_per_generation  # window index
         return Window(batch, t["W"], t["W_base"], t["micro"],
                       t["micro"] // self.args.gradient_accumulation_steps,
                       index=k, iteration=k % self.num_iterations)

@@ -20,7 +20,8 @@ class RunConfig:
 
     Units: `steps` = rollout batches; each is cut into `minibatches` optimizer steps, so the
     run makes steps × minibatches optimizer steps per objective. `prompts` × `G` responses per
-    rollout batch.
+    rollout batch. `micro_batch`: sequences per forward/backward inside an optimizer step
+    (gradient accumulation over whole groups; None = the whole step in one pass).
     """
 
     out: str = "runs/default"
@@ -35,6 +36,7 @@ class RunConfig:
     G: int = 8
     minibatches: int = 4
     split_groups: bool = False
+    micro_batch: int | None = None
     lr: float = 2e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -48,6 +50,7 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"
     amp: bool = False
+    fsdp: bool = False
     ckpt_every: int = 10
     tax_every: int = 5
     probes: bool = True
@@ -57,8 +60,14 @@ class RunConfig:
     trace_every: int = 10
     trace_groups: int = 2
     log: str = ""
+    on_nonfinite: str = "stop"  # non-finite loss/gradient/parameter: stop (exit 3) or skip
+    threads: int = 0  # torch intra-op threads; 0 = torch's current count, resolved and recorded
 
     def __post_init__(self) -> None:
+        if self.threads == 0:  # record the count actually used: results are bitwise per count
+            import torch
+
+            self.threads = torch.get_num_threads()
         validate(self)
 
     def to_json(self) -> dict:
@@ -80,11 +89,11 @@ def validate(c: RunConfig) -> None:
 
     if not c.objectives:
         raise ConfigError("--objectives: give at least one objective")
-    for name in c.objectives:
-        if name not in objectives.names():
-            raise ConfigError(f"--objectives: unknown objective {name!r}; valid: "
-                              f"{', '.join(objectives.names())}")
-        objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
+    for name in c.objectives:  # a name, optionally with [key=value, ...] (core/variants.py)
+        try:
+            objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
     if len(set(c.objectives)) != len(c.objectives):
         raise ConfigError(f"--objectives: duplicate names in {c.objectives}")
     checks = [
@@ -96,6 +105,7 @@ def validate(c: RunConfig) -> None:
         ("temperature", c.temperature > 0, "> 0"),
         ("grad_clip", c.grad_clip > 0, "> 0"),
         ("ckpt_every", c.ckpt_every >= 1, "≥ 1"),
+        ("threads", c.threads >= 1, "≥ 1 (0 = torch's current count)"),
         ("tax_every", c.tax_every >= 0, "≥ 0 (0 = never)"),
         ("trace_every", c.trace_every >= 0, "≥ 0 (0 = no token traces)"),
         ("trace_groups", c.trace_groups >= 0, "≥ 0"),
@@ -112,9 +122,20 @@ def validate(c: RunConfig) -> None:
     if c.minibatches > units:
         what = "responses" if c.split_groups else "prompts (groups stay whole)"
         raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
+    if c.micro_batch is not None:
+        if c.micro_batch < 1 or c.micro_batch % c.G:
+            raise ConfigError(f"--micro-batch: {c.micro_batch} is not a positive multiple of --G "
+                              f"{c.G} (micro-batches hold whole groups)")
+        if c.split_groups:
+            raise ConfigError("--micro-batch needs whole groups in every optimizer step: it "
+                              "cannot be combined with --split-groups")
+    if c.fsdp:
+        _refuse_fsdp(c)
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
+    if c.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"--on-nonfinite: unknown {c.on_nonfinite!r}; valid: stop, skip")
     if c.mode not in MODES:
         raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
     if c.mode == "same-batch" and not c.probes:
@@ -127,3 +148,20 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
     if c.task != "arithmetic" and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic or a path to an existing .jsonl file")
+
+
+def _refuse_fsdp(c: RunConfig) -> None:
+    """--fsdp is refused for now, with the reason (README "Real-scale loop").
+
+    FSDP2's `fully_shard` itself runs on CPU/gloo in torch 2.13 (a sharded tiny Qwen3's
+    gradients match across 2 gloo ranks), but every forward of a sharded model is a collective:
+    the loop's early-stopping sampling, per-rank micro-batch counts and probes on each rank's
+    own nodes issue different numbers of forwards per rank and would deadlock.
+    """
+    if not c.device.startswith("cuda"):
+        raise ConfigError(f"--fsdp: not supported on device {c.device!r}: sharding the loop's "
+                          "policy needs CUDA ranks under torchrun (use DDP on CPU: torchrun "
+                          "without --fsdp)")
+    raise ConfigError(f"--fsdp: not implemented yet on {c.device!r}: the loop's sampling and "
+                      "probes are not lock-step across ranks (see README, Real-scale loop); "
+                      "use DDP (torchrun without --fsdp)")

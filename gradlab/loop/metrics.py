@@ -7,6 +7,7 @@ one rollout batch it keeps sums and counts (never averages of ratios), so Ï = Î
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
@@ -93,7 +94,8 @@ class StepMetrics:
         out.update({k: (a if k == "loss" else a / b) for k, (a, b) in pooled.items()})
         for _, _, x_ in parts:
             for k, v in x_.items():
-                out[k] = max(out.get(k, -float("inf")), v)
+                old = out.get(k, -float("inf"))
+                out[k] = math.nan if math.isnan(old) or math.isnan(v) else max(old, v)
         return _ratios(out)
 
     def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
@@ -116,9 +118,14 @@ class StepMetrics:
 
 
 def _ratios(s: dict) -> dict:
-    """Turn accumulated sums into the reported ratios (0 where a denominator is 0)."""
+    """Turn accumulated sums into the reported ratios (0 where a denominator is 0; NaN where
+    either side is NaN: a metric of a non-finite W is NaN, never a reassuring 0)."""
     out = dict(s)
-    div = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731
+
+    def div(a: float, b: float) -> float:
+        if math.isnan(a) or math.isnan(b):
+            return math.nan
+        return a / b if b > 0 else 0.0
 
     for key in list(s):
         if key.endswith("residual_prefix") or key.endswith("residual_trie"):

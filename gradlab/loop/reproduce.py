@@ -9,6 +9,8 @@ import pandas as pd
 
 from .. import viz as plots
 from .config import RunConfig
+from .lock import acquire
+from .resume import reproduce_action
 from .store import load_run
 from .train import train
 
@@ -39,20 +41,40 @@ def summarize(tidy: pd.DataFrame, last: int = 5) -> pd.DataFrame:
 
 
 def reproduce(cfg: RunConfig, resume: bool = False) -> str:
-    """Train, draw, summarise; returns the summary as markdown (also in <out>/summary.md)."""
+    """Train, draw, summarise; returns the summary as markdown (also in <out>/summary.md).
+
+    Run again on a finished run with the same options it re-makes the figures and summary
+    without training; a partial run needs resume=True (the error says what to type).
+    """
+    action = reproduce_action(cfg, resume)  # loop/resume.py
     t0 = time.time()
-    store = train(cfg, resume=resume)
+    if action == "train":
+        train(cfg, resume=resume)
     t_train = time.time() - t0
-    tidy = load_run(store.path)
-    figdir = Path(store.path) / "figures"
-    plots.save(plots.training_curves(tidy, smooth=3), figdir / "training_curves.png")
+    path = Path(cfg.out)
+    lock = acquire(path)  # the figures and summary are written by the folder's one writer
+    try:
+        tidy = load_run(path)
+        if action == "redraw":
+            t_train = float(tidy.loc[tidy["metric"] == "time_step", "value"].sum())
+        text = _write(cfg, tidy, path, t_train, action)
+    finally:
+        lock.release()
+    return text
+
+
+def _write(cfg: RunConfig, tidy: pd.DataFrame, path: Path, t_train: float, action: str) -> str:
+    plots.save(plots.training_curves(tidy, smooth=3), path / "figures" / "training_curves.png")
     table = summarize(tidy)
+    took = (f"training took {t_train:.0f} s" if action == "train" else
+            f"training took {t_train:.0f} s (recorded step times; figures re-made from the "
+            "stored run)")
     md = ["# gradlab reproduce — summary", "",
           f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G}, "
           f"{cfg.minibatches} optimizer steps per rollout, seed {cfg.seed}, task {cfg.task}"
-          f" (difficulty {cfg.difficulty}); training took {t_train:.0f} s.", "",
+          f" (difficulty {cfg.difficulty}); {took}.", "",
           table.to_markdown(index=False, floatfmt=".3g"), "",
           "Figures: figures/training_curves.png. Metrics: metrics.jsonl (gradlab.load_run)."]
     text = "\n".join(md)
-    (Path(store.path) / "summary.md").write_text(text + "\n")
+    (path / "summary.md").write_text(text + "\n")
     return text

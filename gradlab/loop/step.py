@@ -12,10 +12,12 @@ import torch
 
 from ..core import objectives
 from ..core.batch import TokenBatch
-from ..probes import ModulationProbe, layer_groups, measure_step, node_drift, shared_drift
-from ..probes.tax import reduce_tax, residual_grad_outputs, tax_from_reps, tax_report
+from ..probes import ModulationProbe, layer_groups, measure_step, shared_drift
+from ..probes.drift import divergent_dlogp
+from ..probes.tax import reduce_tax, residual_grad_outputs, tax_grads, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
+from .guard import admit
 from .logprobs import token_logps
 from .metrics import StepMetrics
 from .rollout import Rollout
@@ -47,10 +49,29 @@ def minibatches(group: torch.Tensor, k: int, gen: torch.Generator, split: bool,
     return [torch.isin(group, part).nonzero().squeeze(-1) for part in order.chunk(k)]
 
 
+def micro_batches(group: torch.Tensor, size: int | None, G: int) -> list[torch.Tensor]:
+    """Positions (into the step's rows) of each micro-batch: whole groups, `size // G` groups
+    each, in order of group label; each part keeps the step's row order. size None or ≥ the
+    step's rows: one part, the whole step. group (B,) holds the step's group labels."""
+    B = group.numel()
+    if size is None or size >= B:
+        return [torch.arange(B, device=group.device)]
+    _, inv = torch.unique(group, return_inverse=True)  # (B,) 0..n_groups−1
+    per = max(size // G, 1)
+    n = int(inv.max()) + 1
+    return [((inv >= a) & (inv < a + per)).nonzero().squeeze(-1) for a in range(0, n, per)]
+
+
 def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
                    rows: torch.Tensor, acc: StepMetrics, heavy: bool,
                    others: list[tuple[str, objectives.Objective]], D: Dist) -> None:
-    """One optimizer step of learner L on rows of the rollout, with the probes."""
+    """One optimizer step of learner L on rows of the rollout, with the probes.
+
+    The step's rows are cut into micro-batches of whole groups (`cfg.micro_batch`), each a
+    forward/backward whose loss uses the *step's* normalisers (sequences, tokens, width), so the
+    accumulated gradient is the one-pass gradient. W, log-probs and entropy are gathered into
+    (B, T) tensors of the whole step; the probes then read the whole step once.
+    """
     # normalisers use the global minibatch's totals (identical to the local ones in one process)
     dev = ro.group.device  # nccl reduces CUDA tensors only
     tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())], device=dev))
@@ -58,87 +79,168 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     if rows.numel() == 0:  # none of this step's groups are on this rank
         return _idle_step(L, cfg, ro, acc, heavy, D)
     t0 = time.perf_counter()
-    with amp_context(cfg):
-        logps, ent, logprobs = token_logps(
-            L.model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-            ro.response_mask[rows], cfg.temperature, return_entropy=True, return_logprobs=True)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows], n_seqs=int(tot[0]), n_tokens=int(tot[1]),
-                       width=width, validate=False)
-    with ModulationProbe(enabled=cfg.probes) as probe:
-        watched = probe.watch(logps)
-        loss, stats = L.objective(batch.replace(logps=watched))
-        loss.backward()
+    batch, W, ent, loss = _accumulate(L, cfg, ro, adv, rows, (int(tot[0]), int(tot[1]), width))
+    if not admit(L, cfg, loss, acc):  # non-finite loss/gradient: stop or skip (loop/guard.py)
+        return
     acc.time("update", t0)
     t1 = time.perf_counter()
-    acc.add_basic(batch, ent.detach(), loss.detach(), stats)
+    acc.add_basic(batch, ent, loss, L.objective.stats(batch))  # stats of the whole step
     sn = None
     if cfg.probes:
-        readings = measure_step(L.objective, batch, probe.W, ent.detach(), heavy, others)
+        readings = measure_step(L.objective, batch, W, ent, heavy, others)
         acc.record(readings)
         sn = readings.prefix_nodes
-    record_trace(L, ro, rows, batch, probe.W)  # token traces (loop/traces.py), on traced steps
+    record_trace(L, ro, rows, batch, W)  # token traces (loop/traces.py), on traced steps
     D.fix_grads(L.model)
     if cfg.probes and heavy:
-        tax = tax_step(L, cfg, ro, rows, batch, probe.W, sn)
+        tax = tax_step(L, cfg, ro, rows, batch, W, sn)
         acc.add_tax(reduce_tax(tax, unwrap(L.model), D) if D.enabled else tax)
+    drift = cfg.probes and cfg.drift
+    before = node_logprobs(unwrap(L.model), cfg, ro, rows, sn) if drift and sn.n else None
     acc.time("probes", t1)
     t2 = time.perf_counter()
     acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
     L.opt.step()
     L.opt.zero_grad(set_to_none=True)
     acc.time("update", t2)
-    if cfg.probes and cfg.drift:
+    if drift:
         t3 = time.perf_counter()
-        drift_step(L, cfg, ro, rows, batch, logprobs.detach(), sn, heavy, acc)
+        drift_step(L, cfg, ro, rows, batch, before, sn, heavy, acc)
         acc.time("probes", t3)
+
+
+def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.Tensor,
+                norms: tuple[int, int, int]) -> tuple[TokenBatch, torch.Tensor | None,
+                                                      torch.Tensor, torch.Tensor]:
+    """Forward/backward of every micro-batch of the step, gradients accumulated in `.grad`.
+
+    norms: the step's (sequences, response tokens, padded width), global under DDP. Each
+    micro-batch is cut after its last response token (right padding only; causal attention
+    makes the earlier positions' log-probs independent of it). Under DDP every micro-batch but
+    the last runs under `no_sync`, so gradients are all-reduced once per step.
+    Returns (the step's TokenBatch (B, T) with detached log-probs, W (B, T) or None without
+    probes, entropy (B, T), the loss: sum of the micro-batch losses = the one-pass loss).
+    """
+    B, T = rows.numel(), ro.response_ids.shape[1]
+    dev = ro.response_ids.device
+    logps = torch.zeros(B, T, device=dev)
+    ent = torch.zeros(B, T, device=dev)
+    W = torch.zeros(B, T, device=dev) if cfg.probes else None
+    loss = torch.zeros((), device=dev)
+    parts = micro_batches(ro.group[rows], cfg.micro_batch, cfg.G)
+    for k, p in enumerate(parts):
+        r = rows[p]
+        used = ro.response_mask[r].any(0).nonzero()
+        t = int(used.max()) + 1 if used.numel() else 1
+        last = k == len(parts) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(L.model, "no_sync") else L.model.no_sync()
+        with sync:
+            with amp_context(cfg):
+                lp, e = token_logps(L.model, ro.prompt_ids[r], ro.prompt_mask[r],
+                                    ro.response_ids[r, :t], ro.response_mask[r, :t],
+                                    cfg.temperature, return_entropy=True)
+            mb = TokenBatch(ro.response_ids[r, :t], ro.response_mask[r, :t], lp,
+                            ro.old_logps[r, :t], adv[r], ro.group[r], n_seqs=norms[0],
+                            n_tokens=norms[1], width=norms[2], validate=False)
+            with ModulationProbe(enabled=cfg.probes) as probe:
+                part_loss = L.objective.loss(mb.replace(logps=probe.watch(lp)))
+                part_loss.backward()
+        logps[p, :t] = lp.detach().to(logps.dtype)
+        ent[p, :t] = e.detach().to(ent.dtype)
+        if W is not None:
+            W[p, :t] = probe.W.to(W.dtype)
+        loss = loss + part_loss.detach()
+        # the entropy's graph is not freed by the loss's backward: drop it before the next
+        # micro-batch's forward, so at most one micro-batch's activations are ever alive
+        del lp, e, part_loss, mb, probe
+    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
+                       adv[rows], ro.group[rows], n_seqs=norms[0], n_tokens=norms[1],
+                       width=norms[2], validate=False)
+    return batch, W, ent, loss
+
+
+def _chunks(n: int, cfg: RunConfig) -> range:
+    """Start offsets of row chunks for the probes' extra forwards (one chunk per micro-batch)."""
+    return range(0, n, cfg.micro_batch or max(n, 1))
 
 
 def tax_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
              W: torch.Tensor, sn) -> dict:
-    """The parameter-space learning tax g_tax at full-group nodes (MATH.md §3), from one
+    """The parameter-space learning tax g_tax at full-group nodes (MATH.md §3), from a
     forward + backward over the nodes' representative rows, truncated after the shared prefix
-    (see `gradlab.probes.tax.tax_from_reps`; a test holds it to `learning_tax`)."""
+    (see `gradlab.probes.tax.tax_from_reps`; a test holds it to `learning_tax`), in chunks of
+    `micro_batch` rows whose g_tax add up."""
     raw = unwrap(L.model)
     params = dict(raw.named_parameters())
     if sn.n == 0:
         return tax_report({n: torch.zeros_like(p) for n, p in params.items()}, params)
     reps = torch.unique(sn.rep)
     t_max = int(sn.position.max()) + 1
-    r = rows[reps]
-    with amp_context(cfg):
-        lp = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
-                         ro.response_mask[r, :t_max], cfg.temperature)
-    D = residual_grad_outputs(W, batch, sn)[reps, :t_max]
-    return tax_from_reps(lp, D, params, layer_groups(raw))
+    D = residual_grad_outputs(W, batch, sn)[:, :t_max]
+    tax = None
+    for c in _chunks(reps.numel(), cfg):
+        part = reps[c: c + (cfg.micro_batch or reps.numel())]
+        r = rows[part]
+        with amp_context(cfg):
+            lp = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
+                             ro.response_mask[r, :t_max], cfg.temperature)
+        g = tax_grads(lp, D[part], params)
+        tax = g if tax is None else {n: tax[n] + g[n] for n in tax}
+    return tax_report(tax, params, None, layer_groups(raw))
+
+
+@torch.no_grad()
+def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn) -> torch.Tensor:
+    """(N, V) next-token log-probs (nats, at `cfg.temperature`) at the N full-group nodes of
+    `sn`: one representative row per group, truncated after the last shared position, in
+    chunks of `micro_batch` rows. Full distributions are only ever held at node positions."""
+    reps = torch.unique(sn.rep)  # (R,) local rows
+    which = torch.searchsorted(reps, sn.rep)  # (N,) index into reps
+    t_max = int(sn.position.max()) + 1
+    size = cfg.micro_batch or reps.numel()
+    out = None
+    for c in _chunks(reps.numel(), cfg):
+        r = rows[reps[c: c + size]]
+        with amp_context(cfg):
+            _, lp = token_logps(model, ro.prompt_ids[r], ro.prompt_mask[r],
+                                ro.response_ids[r, :t_max], ro.response_mask[r, :t_max],
+                                cfg.temperature, return_logprobs=True)
+        sel = (which >= c) & (which < c + size)
+        out = lp.new_empty(sn.n, lp.shape[-1]) if out is None else out
+        out[sel] = lp[which[sel] - c, sn.position[sel]]
+        del lp
+    return out
 
 
 @torch.no_grad()
 def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
-               before: torch.Tensor, sn, heavy: bool, acc: StepMetrics) -> None:
-    """How the step just taken moved the policy (MATH.md §4), from `before` (B, T, V).
+               before: torch.Tensor | None, sn, heavy: bool, acc: StepMetrics) -> None:
+    """How the step just taken moved the policy (MATH.md §4).
 
-    Cheap (every step): at the full-group shared nodes only — one representative row per
-    group, truncated after its last shared position, so the extra forward is ~1/G of a batch
-    forward over the shared prefix. Heavy steps: every position (divergent tokens by sign of A).
+    before: (N, V) log-probs at the full-group nodes of `sn` before the step (`node_logprobs`;
+    None when there is no node). Every step: Δ log π of the shared token and the full
+    KL(π_before ‖ π_after) at the nodes, from a forward over one representative row per group,
+    truncated after its last shared position (~1/G of a batch forward over the shared prefix).
+    Heavy steps add the divergent positions, by sign of A — the sampled token's Δ log π only
+    (before: the step's own log-probs `batch.logps`; after: a forward in micro-batch chunks).
+    Why no KL there: it needs π_before(·) at every position, a (B, T, V) tensor kept across
+    the optimizer step; memory bounded by the micro-batch matters more (`node_drift` still
+    computes it for callers that hold both distributions).
     """
     raw = unwrap(L.model)
-    with amp_context(cfg):
-        if heavy:
-            _, after = token_logps(raw, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                                   ro.response_ids[rows], ro.response_mask[rows],
-                                   cfg.temperature, return_logprobs=True)
-            acc.add_drift(node_drift(before, after, batch, sn))
-            return
-        if sn.n == 0:
-            return
-        reps = torch.unique(sn.rep)  # (R,) local rows
-        t_max = int(sn.position.max()) + 1
-        r = rows[reps]
-        _, after = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
-                               ro.response_mask[r, :t_max], cfg.temperature, return_logprobs=True)
-    a = after[torch.searchsorted(reps, sn.rep), sn.position]  # (N, V)
-    acc.add_drift(shared_drift(before[sn.rep, sn.position], a, sn.token))
+    if before is not None:
+        acc.add_drift(shared_drift(before, node_logprobs(raw, cfg, ro, rows, sn), sn.token))
+    if not heavy:
+        return
+    after = torch.zeros_like(batch.logps)
+    size = cfg.micro_batch or rows.numel()
+    for c in _chunks(rows.numel(), cfg):
+        r = rows[c: c + size]
+        with amp_context(cfg):
+            after[c: c + size] = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r],
+                                             ro.response_ids[r], ro.response_mask[r],
+                                             cfg.temperature).to(after.dtype)
+    acc.add_drift(divergent_dlogp(batch.logps, after, batch, sn))
 
 
 def _idle_step(L, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,

@@ -10,12 +10,14 @@
 
 `load_run(path)` returns the tidy long table every figure and notebook reads:
 columns  run, objective, seed, step, tokens, metric, value  (one row per step × objective ×
-metric). A torn last line (a crash mid-write) is skipped.
+metric). A torn last line (a crash mid-write) is skipped and logged; a corrupt line
+anywhere else is an error naming the file and line (never a silent deletion).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -24,6 +26,10 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from .lock import acquire
+from .resume import CorruptFileError, check_resume_config, read_config
+
+log = logging.getLogger("gradlab")
 ID_COLUMNS = ("run", "objective", "seed", "step", "tokens")
 TIDY_COLUMNS = ID_COLUMNS + ("metric", "value")
 
@@ -32,21 +38,42 @@ class RunStore:
     """Append-only writer for one run folder."""
 
     def __init__(self, path: str | Path, config: dict | None = None, resume: bool = False,
-                 write: bool = True) -> None:
-        """write=False (data-parallel ranks other than 0): reads work, writes are no-ops."""
+                 write: bool = True, check_config: bool = True) -> None:
+        """write=False (data-parallel ranks other than 0): reads work, writes are no-ops.
+        check_config (a RunConfig dict): on resume, refuse options that differ from the stored
+        config.json and record the allowed changes; False keeps config.json as it is."""
         self.path = Path(path)
         self.write = write
+        self._lock = None
         if not write:
             return
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = acquire(self.path)  # one writer per folder (loop/lock.py)
         if not resume and (self.path / "metrics.jsonl").exists():
+            self.close()
             raise FileExistsError(f"--out {self.path} already holds a run: pass --resume to "
                                   "continue it, or choose another --out")
-        self.path.mkdir(parents=True, exist_ok=True)
-        if config is not None and not (resume and (self.path / "config.json").exists()):
-            _atomic_write(self.path / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        if resume:
+            for file in ("metrics.jsonl", "samples.jsonl"):
+                _cut_torn_tail(self.path / file)
+        stored = self.path / "config.json"
+        if config is not None and resume and stored.exists() and check_config:
+            # resume: a differing option is refused (loop/resume.py), an allowed change is recorded
+            check_resume_config(self.path, read_config(stored), config)
+        if config is not None and not (resume and stored.exists() and not check_config):
+            _atomic_write(stored, json.dumps(config, indent=2, sort_keys=True))
+
+    def close(self) -> None:
+        """Release the folder's writer lock (training is over); reads still work."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def config(self) -> dict:
-        return json.loads((self.path / "config.json").read_text())
+        return read_config(self.path / "config.json")
 
     def log(self, record: dict, file: str = "metrics.jsonl") -> None:
         """Append one record and make it durable before returning."""
@@ -90,27 +117,72 @@ class RunStore:
         tmp.rename(d)  # a crash mid-save leaves the previous checkpoint intact
 
     def load_checkpoint(self, name: str, model, optimizer) -> tuple[dict, dict]:
-        """Restore model and optimizer in place; returns (state, extra tensors)."""
+        """Restore model and optimizer in place; returns (state, extra tensors).
+
+        A truncated or corrupt file (or one from another model) raises `CorruptFileError`
+        naming it and what to do; nothing is half-loaded silently."""
         d = self.path / "checkpoints" / name
         if not (d / "state.json").exists():
             raise FileNotFoundError(f"no checkpoint for {name!r} in {d}")
-        sd = load_file(d / "model.safetensors")
-        model.load_state_dict(sd, strict=False)
-        state = json.loads((d / "state.json").read_text())
-        flat = load_file(d / "optimizer.safetensors")
-        optimizer.load_state_dict(_unflatten_optimizer(flat, state.pop("optimizer")))
+        what = (f"restore it from a copy, or delete {self.path / 'checkpoints'} to start the run "
+                "over with --resume")
+        sd = _load_tensors(d / "model.safetensors", what)
+        state = _load_json(d / "state.json", what)
+        flat = _load_tensors(d / "optimizer.safetensors", what)
+        try:
+            res = model.load_state_dict(sd, strict=False)
+            _check_keys(model, res.missing_keys, res.unexpected_keys)
+            optimizer.load_state_dict(_unflatten_optimizer(flat, state.pop("optimizer")))
+            if not isinstance(state.get("step"), int) or not isinstance(state.get("tokens"), int):
+                raise ValueError("state.json lacks an integer step and tokens")
+        except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CorruptFileError(f"checkpoint {d} does not fit this run ({msg}); {what}") from None
         extra = {k[len("extra."):]: v for k, v in flat.items() if k.startswith("extra.")}
         return state, extra
 
 
+def _load_tensors(path: Path, what: str) -> dict:
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise CorruptFileError(f"{path} is missing (an incomplete checkpoint); {what}") from None
+    except Exception as e:  # safetensors raises its own SafetensorError (not exported in all versions)
+        raise CorruptFileError(f"{path} is truncated or corrupt ({e}); {what}") from None
+
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptFileError(f"{path} is truncated or corrupt ({e}); {what}") from None
+    if not isinstance(data, dict) or "optimizer" not in data:
+        raise CorruptFileError(f"{path} is corrupt (not a checkpoint state); {what}")
+    return data
+
+
+def _check_keys(model, missing: list[str], unexpected: list[str]) -> None:
+    """Missing keys are fine only for tied weights (saved once under their first name)."""
+    sd = model.state_dict()
+    ptr = lambda k: (sd[k].untyped_storage().data_ptr(), sd[k].storage_offset())  # noqa: E731
+    loaded = {ptr(k) for k in sd if k not in set(missing)}
+    really = [k for k in missing if ptr(k) not in loaded]
+    if really or unexpected:
+        raise ValueError(f"missing {really[:3]}, unexpected {unexpected[:3]}")
+
+
 def _dedupe(sd: dict) -> dict:
-    """Tied weights share storage: safetensors refuses duplicates, keep the first name."""
+    """Tied weights share storage: safetensors refuses duplicates, keep the first name.
+
+    No copy is made of a tensor that owns its whole storage (every parameter of a HF model):
+    only a view into a larger storage is cloned, since safetensors writes whole storages."""
     seen, out = set(), {}
     for k, v in sd.items():
         key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
         if key not in seen:
             seen.add(key)
-            out[k] = v.clone()
+            whole = v.untyped_storage().nbytes() == v.numel() * v.element_size()
+            out[k] = v if whole else v.clone()
     return out
 
 
@@ -153,14 +225,42 @@ def _jsonable(rec: dict) -> dict:
     return out
 
 
+def _cut_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-write) before appending; logged."""
+    if not path.exists():
+        return
+    raw = path.read_bytes()
+    if not raw or raw.endswith(b"\n"):
+        return
+    keep = raw[: raw.rfind(b"\n") + 1]
+    log.warning("%s: torn last line cut (a crash mid-write): %r", path, raw[len(keep):][:80])
+    with open(path, "r+b") as f:
+        f.truncate(len(keep))
+        os.fsync(f.fileno())
+
+
 def _read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL run file. A torn *last* line (a crash mid-write) is cut and
+    logged; a corrupt line anywhere else raises `CorruptFileError` naming file and line."""
+    lines = path.read_bytes().split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
     out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn line from a crash mid-write
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if i == len(lines):
+                log.warning("%s:%d: torn last line cut (a crash mid-write): %r", path, i, line[:80])
+                continue
+            raise CorruptFileError(
+                f"{path}:{i}: corrupt line ({e}) before the end of the file: restore the file "
+                f"or remove line {i} by hand; gradlab deletes nothing it cannot read") from None
+        out.append(rec)
     return out
 
 

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import ConfigError
+
 TEMPLATE_PREFIX = "so "
 # Well-formed arithmetic response: "so <int>+<int>=<int>".
 _FORMAT = re.compile(r"^so (\d+)\+(\d+)=(\d+)$")
@@ -157,7 +159,7 @@ class JsonlTask:
         self.seed = seed
         raw = self.path.read_bytes()
         self._digest = hashlib.sha1(raw).hexdigest()[:12]
-        self._items = self._parse(raw.decode("utf-8"))
+        self._items = self._parse(_decode_utf8(self.path, raw))
 
     def _parse(self, text: str) -> list[Problem]:
         items = []
@@ -168,15 +170,15 @@ class JsonlTask:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+                raise TaskFileError(f"{where}: invalid JSON at column {e.colno} ({e.msg})") from None
             if not isinstance(obj, dict) or "prompt" not in obj or "answer" not in obj:
-                raise ValueError(f'{where}: expected an object with "prompt" and "answer"')
+                raise TaskFileError(f'{where}: expected an object with "prompt" and "answer"')
             sols = obj.get("solutions", [])
             if not isinstance(sols, list) or not all(isinstance(s, str) for s in sols):
-                raise ValueError(f'{where}: "solutions" must be a list of strings')
+                raise TaskFileError(f'{where}: "solutions" must be a list of strings')
             items.append(Problem(str(obj["prompt"]), str(obj["answer"]).strip(), tuple(sols)))
         if not items:
-            raise ValueError(f"{self.path}: no problems in file")
+            raise TaskFileError(f"{self.path}: no problems in file")
         return items
 
     @property
@@ -220,6 +222,45 @@ class JsonlTask:
 
     def solutions(self, problem: Problem) -> list[str]:
         return list(problem.solutions)
+
+
+class TaskFileError(ConfigError):
+    """A task file that cannot be used: the message names the file, the line and what is wrong."""
+
+
+def _decode_utf8(path: Path, raw: bytes) -> str:
+    """The file's text (UTF-8, a leading BOM allowed); else one line naming line and byte."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise TaskFileError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                            f"{col}: {e.reason}); save the file as UTF-8") from None
+
+
+def check_encodable(task, tokenizer) -> None:
+    """Refuse a JSONL task with characters the tokenizer cannot encode (they would silently
+    become <unk>): one line with their count, the characters and the first line holding one.
+    Tokenizers without an unknown token (byte-level BPE) encode everything; other tasks pass."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(task, JsonlTask) or unk is None:
+        return
+    texts = [t for p in task._items for t in (p.prompt, p.answer, *p.solutions)]
+    counts: dict[str, int] = {}
+    for t in texts:
+        for ch in t:
+            counts[ch] = counts.get(ch, 0) + 1
+    bad = {ch: n for ch, n in counts.items()
+           if unk in tokenizer(ch, add_special_tokens=False)["input_ids"]}
+    if not bad:
+        return
+    lines = _decode_utf8(task.path, task.path.read_bytes()).splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if any(ch in line for ch in bad))
+    shown = ", ".join(f"{ch!r} ×{n}" for ch, n in sorted(bad.items(), key=lambda x: -x[1])[:8])
+    raise TaskFileError(f"{task.path}:{first}: {sum(bad.values())} character(s) the tokenizer "
+                        f"cannot encode (they would become <unk>): {shown}; replace them in the "
+                        "file, or pass --model with a tokenizer that covers them")
 
 
 TASKS = ("arithmetic", "<path>.jsonl")

@@ -28,10 +28,11 @@ from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
 from .probeset import probe_metrics, probe_set
+from .resume import restore
 from .rollout import Rollout, generate
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
-from .task import get_task
+from .task import check_encodable, get_task
 from .traces import TraceWriter
 
 
@@ -46,12 +47,15 @@ class Learner:
     gen: torch.Generator
     tokens: int = 0  # response tokens consumed so far
     tracer: TraceWriter | None = None  # token traces (loop/traces.py)
+    step: int = 0  # the rollout step in progress (named by the non-finite guard)
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
+    """One learner per objective name; the last one trains `model` itself (no extra copy
+    of the weights is kept for the whole run), the others deep copies of it."""
     out = []
-    for name in names:
-        m = copy.deepcopy(model).to(cfg.device).train()
+    for k, name in enumerate(names):
+        m = (model if k == len(names) - 1 else copy.deepcopy(model)).to(cfg.device).train()
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # minibatch order
         obj = objectives.get(name, **cfg.objective_params.get(name, {}))
@@ -83,6 +87,7 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
                  others, D: Dist) -> tuple[dict, Rollout]:
     """Sample one rollout batch and make `minibatches` optimizer steps; returns (metrics, rollout)."""
     acc = StepMetrics(D)
+    L.step = step
     t0 = time.perf_counter()
     ro = sample(L, cfg, task, tok, step, D)
     acc.time("rollout", t0)
@@ -114,17 +119,21 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
         raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups "
                           "and adv_scale='batch' need one process")
     torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)  # bitwise-identical results hold at a fixed thread count
     store = RunStore(cfg.out, cfg.to_json(), resume=resume, write=D.main)
     builtin = cfg.task == "arithmetic"
     task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
     model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device)
+    check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/task.py)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
-    learners = make_learners(cfg, model, trained)
+    # the probe set is drawn from the initial weights before the last learner takes them over
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
-    start = _resume(store, learners, D) if resume else 0
+    learners = make_learners(cfg, model, trained)
+    del model
+    start = restore(store, learners, D) if resume else 0  # loop/resume.py
     tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
@@ -156,19 +165,6 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
             D.barrier()
     live.close()
     D.close()
+    store.close()  # release the run folder's writer lock (loop/lock.py)
     return store
 
-
-def _resume(store: RunStore, learners: list[Learner], D: Dist) -> int:
-    """Restore every learner from its checkpoint; drop metrics written after it."""
-    steps = []
-    for L in learners:
-        state, extra = store.load_checkpoint(L.name, L.model, L.opt)
-        L.gen.set_state(extra["gen"])
-        L.tokens = state["tokens"]
-        steps.append(state["step"])
-    if len(set(steps)) != 1:
-        raise RuntimeError(f"checkpoints of {store.path} are at different steps: {steps}")
-    D.barrier()  # every rank has read the files before rank 0 rewrites the metrics
-    store.truncate_after(steps[0] - 1)
-    return steps[0]

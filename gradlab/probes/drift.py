@@ -70,6 +70,25 @@ def node_drift(logp_before: Tensor, logp_after: Tensor, batch: TokenBatch,
     return out
 
 
+def divergent_dlogp(logps_before: Tensor, logps_after: Tensor, batch: TokenBatch,
+                    sn: SharedNodes) -> dict[str, Tensor]:
+    """The divergent part of `node_drift` from the sampled tokens' log-probs alone.
+
+    logps_before, logps_after (B, T): log π(y_t) of the batch's own tokens before / after the
+    step. At masked-in positions in no node of `sn`, split by the row's advantage:
+    div_pos_dlogp_sum / div_pos_count (A > 0) and div_neg_* (A < 0), 0-dim tensors. No KL:
+    that needs the full distributions (see `node_drift`).
+    """
+    dlogp = logps_after - logps_before  # (B, T)
+    divergent = batch.mask & (sn.node < 0)
+    A = batch.advantages.unsqueeze(-1)
+    out = {}
+    for name, keep in (("div_pos", divergent & (A > 0)), ("div_neg", divergent & (A < 0))):
+        out[f"{name}_dlogp_sum"] = (dlogp * keep).sum()
+        out[f"{name}_count"] = keep.sum()
+    return out
+
+
 def shared_drift(logp_before: Tensor, logp_after: Tensor, token: Tensor) -> dict[str, Tensor]:
     """The node part of `node_drift` from the (N, V) distributions at the N nodes' contexts
     and their shared tokens (N,): node_dlogp_sum, node_kl_sum, node_count (0-dim tensors)."""

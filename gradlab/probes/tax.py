@@ -63,6 +63,8 @@ def _norms(tax: dict[str, Tensor], total: dict[str, Tensor], names) -> dict[str,
     share = torch.where(gn > 0, tn / torch.where(gn > 0, gn, 1), 0)  # 0 when g_total = 0
     den = tn * gn
     cos = torch.where(den > 0, tg / torch.where(den > 0, den, 1), 0)
+    bad = ~torch.isfinite(tt + gg + tg)  # NaN in → NaN out: never a reassuring 0
+    share, cos = share.masked_fill(bad, float("nan")), cos.masked_fill(bad, float("nan"))
     return {"tax_norm": tn, "total_norm": gn, "tax_share": share, "tax_cos": cos}
 
 
@@ -140,11 +142,16 @@ def tax_from_reps(logps_reps: Tensor, D_reps: Tensor, params: dict[str, Tensor],
     context, this equals `learning_tax` on the full graph (exactly, up to float rounding) at
     ~(1/G)·(T'/T) of the cost of a backward over the whole batch.
     """
+    return tax_report(tax_grads(logps_reps, D_reps, params), params, None, groups)
+
+
+def tax_grads(logps_reps: Tensor, D_reps: Tensor, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """{name: g_tax part} = −Σ D ∇θ logps over the given rows (loss-gradient sign); rows
+    (R, T') as in `tax_from_reps`. Parts from disjoint row chunks add up to the whole g_tax."""
     names = list(params)
     grads = torch.autograd.grad(logps_reps, [params[n] for n in names],
                                 grad_outputs=-D_reps.to(logps_reps.dtype), allow_unused=True)
-    tax = {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads)}
-    return tax_report(tax, params, None, groups)
+    return {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, grads)}
 
 
 def reduce_tax(res: dict, model: torch.nn.Module, D) -> dict:

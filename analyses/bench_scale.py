@@ -1,0 +1,144 @@
+"""Benchmarks of the real-scale loop (issue 15), on a random-init Qwen3 with the real
+151,936-token vocabulary built from a config (no download).
+
+    python analyses/bench_scale.py memory                       # 64 and 512 seqs × 256 tokens
+    python analyses/bench_scale.py memory --sizes 16,64 --tokens 32 --micro-batch 16   # quick
+
+Sections: MEMORY (below) — peak RSS and time of one optimizer step at a fixed micro-batch as
+the step's number of sequences grows (target: 64 → 512 sequences ≤ 1.15× peak RSS).
+A SAMPLING section (ms/token against `generate`) may be added below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: import this checkout's gradlab
+    sys.path.insert(0, str(ROOT))
+
+VOCAB = 151_936
+
+
+def tiny_qwen3(vocab: int = VOCAB, hidden: int = 64, layers: int = 2, seed: int = 0):
+    """A random-init Qwen3ForCausalLM, fp32, tied embeddings (as Qwen3-0.6B), eval-free."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=hidden // 2, tie_word_embeddings=True, max_position_embeddings=4096)
+    return Qwen3ForCausalLM(cfg).train()
+
+
+def fake_rollout(n: int, tokens: int, G: int, prompt_len: int = 16, vocab: int = VOCAB,
+                 shared: int = 4, seed: int = 0):
+    """A Rollout of n rows (n/G groups) without sampling: random prompts and responses, the
+    first `shared` response tokens equal within each group (full-group nodes for the probes),
+    lengths in [tokens/2, tokens], old log-probs ≈ a uniform policy's, rewards 0/1."""
+    from gradlab.loop.rollout import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    groups = n // G
+    prompt = torch.randint(0, vocab, (groups, prompt_len), generator=g).repeat_interleave(G, 0)
+    resp = torch.randint(0, vocab, (n, tokens), generator=g)
+    resp[:, :shared] = resp[::G, :shared].repeat_interleave(G, 0)
+    lengths = torch.randint(tokens // 2, tokens + 1, (n,), generator=g)
+    mask = torch.arange(tokens) < lengths[:, None]
+    old = (-torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(n, tokens, generator=g))
+    ro = Rollout(prompt, torch.ones_like(prompt, dtype=torch.bool), resp.masked_fill(~mask, 0),
+                 mask, old * mask, torch.arange(groups).repeat_interleave(G), [""] * n, [None] * n)
+    ro.rewards = torch.randint(0, 2, (n,), generator=g).float()
+    return ro
+
+
+# ======================================================================================== #
+# MEMORY: one optimizer step, peak RSS (each size in its own child process)
+# ======================================================================================== #
+
+def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, layers: int,
+                 probes: bool, objective: str) -> dict:
+    """One optimizer step of `objective` on n rows × `tokens` in this process; returns the peak
+    RSS (MiB) after setup and after the step, and the step's wall time (s)."""
+    from gradlab.core import objectives
+    from gradlab.core.batch import advantages
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.dist import Dist
+    from gradlab.loop.metrics import StepMetrics
+    from gradlab.loop.step import optimizer_step
+    from gradlab.loop.train import Learner
+
+    model = tiny_qwen3(hidden=hidden, layers=layers)
+    ro = fake_rollout(n, tokens, G)
+    adv = advantages(ro.rewards, ro.group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    L = Learner(objective, objectives.get(objective), model, opt, torch.Generator())
+    cfg = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch, probes=probes,
+                    progress=False, max_new_tokens=tokens)
+    rows = torch.arange(n)
+    setup = _peak_mib()
+    t0 = time.perf_counter()
+    optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist())
+    return {"n": n, "tokens": tokens, "micro_batch": micro_batch, "probes": probes,
+            "time_s": time.perf_counter() - t0, "peak_setup_mib": setup, "peak_mib": _peak_mib()}
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def memory_table(a: argparse.Namespace) -> list[dict]:
+    """Run each size in a fresh child (peak RSS is per process); print a Markdown table."""
+    rows = []
+    for n in (int(s) for s in a.sizes.split(",")):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_memory_child", "--n", str(n),
+               "--tokens", str(a.tokens), "--micro-batch", str(a.micro_batch), "--G", str(a.G),
+               "--hidden", str(a.hidden), "--layers", str(a.layers), "--objective", a.objective]
+        cmd += [] if a.probes else ["--no-probes"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"  n={n}: {rows[-1]}", file=sys.stderr, flush=True)
+    base = rows[0]
+    print(f"\nOne optimizer step ({a.objective}, probes {'on' if a.probes else 'off'}), random-init "
+          f"Qwen3 V={VOCAB}, hidden {a.hidden}, {a.layers} layers, {a.tokens} tokens/row, "
+          f"--micro-batch {a.micro_batch}, G={a.G}\n")
+    print("| sequences | peak RSS (MiB) | ratio | after setup (MiB) | step time (s) | time ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['n']} | {r['peak_mib']:.0f} | {r['peak_mib'] / base['peak_mib']:.2f}× | "
+              f"{r['peak_setup_mib']:.0f} | {r['time_s']:.1f} | {r['time_s'] / base['time_s']:.2f}× |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["memory", "_memory_child"])
+    p.add_argument("--sizes", default="64,512", help="sequences per optimizer step")
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--objective", default="gspo")
+    p.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.what == "_memory_child":
+        print(json.dumps(memory_child(a.n, a.tokens, a.micro_batch, a.G, a.hidden, a.layers,
+                                      a.probes, a.objective)))
+        return 0
+    memory_table(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

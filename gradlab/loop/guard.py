@@ -1,0 +1,110 @@
+"""The non-finite guard: a diverged step stops the run (or is skipped), never reads as success.
+
+Before each optimizer step `admit` checks the loss and every gradient; after it, an optimizer
+post-hook checks every parameter. On a non-finite value:
+
+  --on-nonfinite stop  (default) raise `NonFiniteError` naming the step, the objective and what
+                       went bad; `gradlab` prints that one line and exits with code 3. Nothing
+                       of the step is written, so the last checkpoint is the last good state.
+  --on-nonfinite skip  drop the update (gradients cleared; parameters and optimizer state put
+                       back when the step itself produced a non-finite parameter) and count it:
+                       metric `nonfinite_steps` = skipped optimizer steps of the rollout step.
+
+Skip mode keeps a copy of the parameters and optimizer state during each step (2-3x the model
+in memory): that is what makes "skip" exact. Stop mode copies nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ON_NONFINITE = ("stop", "skip")
+EXIT_NONFINITE = 3  # gradlab's exit code for a diverged run
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss, gradient or parameter (exit code 3 in the CLI)."""
+
+
+def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max |x| over all tensors (NaN when any element is NaN), one device tensor, no sync."""
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
+
+
+def _where(L) -> str:
+    return f"step {getattr(L, 'step', '?')}, objective {L.name}"
+
+
+def admit(L, cfg, loss: torch.Tensor, acc) -> bool:
+    """Check the loss and the gradients of learner L before its optimizer step.
+
+    Returns True when the update may go ahead. Non-finite: raises `NonFiniteError` (stop) or
+    clears the gradients, counts the step in `acc` and returns False (skip).
+    """
+    _install(L, cfg, acc)
+    grads = [p.grad for p in L.model.parameters() if p.grad is not None]
+    ok_loss, ok_grad = torch.stack([torch.isfinite(loss.detach().float()).all(),
+                                    torch.isfinite(_max_abs(grads).to(loss.device))]).tolist()
+    L._gl_acc = acc  # where the post-hook counts a skipped step
+    if ok_loss and ok_grad:
+        if cfg.on_nonfinite == "skip":
+            L._gl_snapshot = _snapshot(L)
+        _count(acc, 0)
+        return True
+    what = "loss" if not ok_loss else "gradient"
+    if cfg.on_nonfinite == "stop":
+        raise NonFiniteError(f"{_where(L)}: non-finite {what} (loss {float(loss.detach()):.4g}); the run "
+                             "is stopped, its last checkpoint is the last good state "
+                             "(lower --lr, or --on-nonfinite skip to drop such updates)")
+    L.opt.zero_grad(set_to_none=True)
+    _count(acc, 1)
+    return False
+
+
+def _count(acc, n: int) -> None:
+    """One optimizer step's count; rank 0 alone counts (every rank sees the same gradients)."""
+    acc.sums["nonfinite_steps"].append(torch.tensor(float(n) if acc.D.main else 0.0))
+
+
+def _install(L, cfg, acc) -> None:
+    """Once per learner: the parameter check after each optimizer step."""
+    if getattr(L, "_gl_guarded", None) is L.opt:
+        return
+    L._gl_guarded = L.opt
+
+    def after_step(opt, args, kwargs) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if bool(torch.isfinite(_max_abs(params))):
+            L._gl_snapshot = None
+            return
+        if cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"{_where(L)}: the update made a parameter non-finite; the run "
+                                 "is stopped, its last checkpoint is the last good state "
+                                 "(lower --lr, or --on-nonfinite skip to drop such updates)")
+        _restore(L, L._gl_snapshot)
+        L._gl_snapshot = None
+        acc_now = L._gl_acc
+        acc_now.sums["nonfinite_steps"][-1] = torch.tensor(1.0 if acc_now.D.main else 0.0)
+
+    L.opt.register_step_post_hook(after_step)
+
+
+def _snapshot(L) -> tuple[list[torch.Tensor], dict]:
+    params = [p.detach().clone() for g in L.opt.param_groups for p in g["params"]]
+    state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+             for p, s in L.opt.state.items()}
+    return params, state
+
+
+@torch.no_grad()
+def _restore(L, snap) -> None:
+    params, state = snap
+    for p, old in zip((p for g in L.opt.param_groups for p in g["params"]), params):
+        p.copy_(old)
+    for p in list(L.opt.state):
+        if p in state:
+            L.opt.state[p] = state[p]
+        else:
+            del L.opt.state[p]
