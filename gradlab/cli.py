@@ -42,7 +42,6 @@ HELP = {
                     "update (counted as nonfinite_steps)",
     "threads": "torch intra-op threads (0 = torch's current count); recorded in config.json: "
                "results are bitwise identical at a fixed thread count",
->>>>>>> main
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }
