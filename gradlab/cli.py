@@ -22,13 +22,16 @@ HELP = {
     "objective_params": 'JSON, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'',
     "mode": "tandem: each objective trains its own policy; same-batch: the first objective "
             "trains, the others' W and residuals are computed on its batches",
-    "task": "'arithmetic' or a .jsonl file of {prompt, answer}", "model": "local HF model folder",
+    "task": "'arithmetic', 'scaffold' (long shared preamble, large tax) or a .jsonl file of {prompt, answer}", "model": "local HF model folder",
     "steps": "rollout batches", "prompts": "prompts per rollout batch", "G": "responses per prompt",
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
     "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
                    "gradient accumulation, same update; default: the whole step)",
     "fsdp": "shard the policy with FSDP2 under torchrun (refused for now, see README)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
+    "eval_every": "held-out evaluation (greedy and sampled at --temperature; keys eval_accuracy, "
+                  "eval_accuracy_greedy) every k rollout steps and at the end (0 = off)",
+    "eval_size": "held-out problems per evaluation (disjoint from training prompts)",
     "drift": "drift at each step's shared contexts (a small extra forward per step)",
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
     "trace_groups": "groups traced per traced rollout step",

@@ -85,7 +85,8 @@ def test_groups_stay_whole_unless_split():
 def _cli(tmp, *extra):
     return [sys.executable, "-m", "gradlab", "tandem", "--out", str(tmp), "--objectives",
             "grpo,gspo", "--prompts", "4", "--G", "4", "--minibatches", "2", "--ckpt-every", "2",
-            "--tax-every", "2", "--probe-contexts", "4", "--no-progress", *extra]
+            "--tax-every", "2", "--probe-contexts", "4", "--eval-every", "2", "--eval-size", "16",
+            "--no-progress", *extra]
 
 
 def test_resume_equals_uninterrupted_and_sigkill_leaves_readable_store(tmp_path):
@@ -108,6 +109,7 @@ def test_resume_equals_uninterrupted_and_sigkill_leaves_readable_store(tmp_path)
     subprocess.run(_cli(killed, "--steps", "6", "--resume"), check=True, capture_output=True)
     a, b = _metrics(full), _metrics(killed)
     pd.testing.assert_frame_equal(a.drop(columns="run"), b.drop(columns="run"))
+    assert a[a["metric"] == "eval_accuracy"]["value"].notna().sum() == 2 * 3  # survives resume
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -53,6 +53,8 @@ class RunConfig:
     fsdp: bool = False
     ckpt_every: int = 10
     tax_every: int = 5
+    eval_every: int = 10  # held-out evaluation every k rollout steps and at the end (0 = off)
+    eval_size: int = 64  # held-out problems per evaluation (loop/heldout.py)
     probes: bool = True
     drift: bool = True
     probe_contexts: int = 16
@@ -107,6 +109,8 @@ def validate(c: RunConfig) -> None:
         ("ckpt_every", c.ckpt_every >= 1, "≥ 1"),
         ("threads", c.threads >= 1, "≥ 1 (0 = torch's current count)"),
         ("tax_every", c.tax_every >= 0, "≥ 0 (0 = never)"),
+        ("eval_every", c.eval_every >= 0, "≥ 0 (0 = no held-out evaluation)"),
+        ("eval_size", c.eval_size >= 1, "≥ 1"),
         ("trace_every", c.trace_every >= 0, "≥ 0 (0 = no token traces)"),
         ("trace_groups", c.trace_groups >= 0, "≥ 0"),
         ("difficulty", 1 <= c.difficulty <= 9, "in 1..9"),
@@ -146,8 +150,8 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"--model: no Hugging Face model folder (config.json) at {c.model}")
     if not (c.device == "cpu" or c.device.startswith("cuda")):
         raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
-    if c.task != "arithmetic" and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
-        raise ConfigError(f"--task: {c.task!r}; valid: arithmetic or a path to an existing .jsonl file")
+    if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
+        raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
 
 
 def _refuse_fsdp(c: RunConfig) -> None:

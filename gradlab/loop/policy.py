@@ -25,10 +25,12 @@ from transformers import (
 
 from .logprobs import token_logps
 from .rollout import generate
-from .task import ArithmeticTask
+from .task import ArithmeticTask, ScaffoldTask
 
 DATA_DIR = Path(__file__).parent.parent / "data"
 DEFAULT_POLICY_DIR = DATA_DIR / "default_policy"
+# The shipped warm start of ScaffoldTask(4) (85 s to make on one CPU thread: shipped, not cached).
+SCAFFOLD_POLICY_DIR = DATA_DIR / "scaffold_policy"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # Printable ASCII without the exotic whitespace: covers the arithmetic task and most JSONL tasks.
 CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
@@ -326,6 +328,8 @@ def load_policy(
     key = task.key if task is not None else ArithmeticTask().key
     if key == ArithmeticTask().key and (DEFAULT_POLICY_DIR / "config.json").is_file():
         return _load_folder(DEFAULT_POLICY_DIR, device, attn="eager")
+    if key == ScaffoldTask().key and (SCAFFOLD_POLICY_DIR / "config.json").is_file():
+        return _load_folder(SCAFFOLD_POLICY_DIR, device, attn="eager")
     folder = cache_root(cache_dir) / f"{key}-seed0"
     if not (folder / "config.json").is_file():
         model, tokenizer, info = warm_start(task if task is not None else ArithmeticTask())
@@ -339,6 +343,22 @@ def make_default_policy(out_dir: str | Path = DEFAULT_POLICY_DIR) -> dict:
     torch.set_num_threads(2)  # the shipped checkpoint was made with 2 CPU threads
     try:
         model, tokenizer, info = warm_start(ArithmeticTask(difficulty=2), seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    save_policy(model, tokenizer, out_dir, info)
+    return info
+
+
+def make_scaffold_policy(out_dir: str | Path = SCAFFOLD_POLICY_DIR) -> dict:
+    """Regenerate the shipped scaffold policy: warm_start on ScaffoldTask(4)'s training split
+    (held-out problems never seen, loop/heldout.py), seed 0, 1 CPU thread -> out_dir
+    (python -c "from gradlab.loop.policy import make_scaffold_policy as m; print(m())")."""
+    from .heldout import TrainSplit
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tokenizer, info = warm_start(TrainSplit(ScaffoldTask()), seed=0, progress=False)
     finally:
         torch.set_num_threads(threads)
     save_policy(model, tokenizer, out_dir, info)

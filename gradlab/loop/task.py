@@ -263,13 +263,17 @@ def check_encodable(task, tokenizer) -> None:
                         "file, or pass --model with a tokenizer that covers them")
 
 
-TASKS = ("arithmetic", "<path>.jsonl")
+TASKS = ("arithmetic", "scaffold", "<path>.jsonl")
+BUILTIN_TASKS = ("arithmetic", "scaffold")
 
 
-def get_task(name_or_path: str, **kw) -> ArithmeticTask | JsonlTask:
-    """ "arithmetic" -> ArithmeticTask(**kw); a path ending in .jsonl -> JsonlTask(path, **kw)."""
+def get_task(name_or_path: str, **kw) -> ArithmeticTask | JsonlTask | ScaffoldTask:
+    """ "arithmetic" -> ArithmeticTask(**kw); "scaffold" -> ScaffoldTask(**kw); a path ending in
+    .jsonl -> JsonlTask(path, **kw)."""
     if name_or_path == "arithmetic":
         return ArithmeticTask(**kw)
+    if name_or_path == "scaffold":
+        return ScaffoldTask(**kw)
     if str(name_or_path).endswith(".jsonl"):
         return JsonlTask(name_or_path, **kw)
     raise ValueError(f"unknown task {name_or_path!r}; valid values: {', '.join(TASKS)}")
@@ -308,3 +312,87 @@ def math_equal(answer: str, response: str) -> bool:
     gold = mv.parse(answer)
     cands = [response] + ([a] if (a := extract_answer(response)) else [])
     return any(mv.verify(gold, mv.parse(c)) for c in cands)
+
+
+# ----------------------------------------------------------------------------- scaffold task
+
+# The fixed plan every correct scaffold response starts with (57 characters = 57 tokens of the
+# toy character tokenizer): the long full-group prefix the verifier requires.
+SCAFFOLD_PREAMBLE = "plan: add the numbers one at a time and keep a running sum. "
+
+
+class ScaffoldTask:
+    """Running sums behind a long fixed preamble: a task whose learning tax is large (issue 14).
+
+    Prompt ``"7+5+8=?"`` (2..`max_terms` digits 1-9, first ≠ last). The two equally correct
+    responses are the preamble then the running sums, form 0 left to right, form 1 right to left:
+    ``PREAMBLE + "7+5=12,12+8=20"`` and ``PREAMBLE + "8+5=13,13+7=20"``. The verifier is strict:
+    reward 1.0 iff the response is exactly one of the two (the preamble included), else 0.0.
+    Why: every response of a group shares the preamble (≥ 60 % of response tokens sit at
+    full-group nodes), while the number of worked steps follows the prompt's term count, so a
+    response that skips or adds a step (wrong) is shorter or longer than a right one and GSPO's
+    1/T_i and sequence ratio differ inside a group (MATH.md §3: the length mechanism).
+    """
+
+    name = "scaffold"
+    preamble = SCAFFOLD_PREAMBLE
+
+    def __init__(self, max_terms: int = 4, seed: int = 0):
+        if not 2 <= max_terms <= 6:
+            raise ValueError(f"max_terms must be in 2..6, got {max_terms}")
+        self.max_terms = max_terms
+        self.seed = seed
+
+    @property
+    def key(self) -> str:
+        """Identifies the task for caching warm-started policies (seed does not change the task)."""
+        return f"scaffold-t{self.max_terms}"
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Preamble + (terms − 1) steps of at most "99+9=99," (8 chars) + EOS, with slack."""
+        return len(self.preamble) + 8 * (self.max_terms - 1) + 4
+
+    def make_problem(self, terms: list[int]) -> Problem:
+        """The problem Σ terms with both solution forms (form 0: left to right, 1: reversed)."""
+        sols = tuple(self.preamble + _running_sums(t) for t in (terms, terms[::-1]))
+        return Problem("+".join(map(str, terms)) + "=?", str(sum(terms)), sols)
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` problems, deterministic in (task seed, seed); term count uniform in 2..max_terms."""
+        rng = random.Random(self.seed * 1_000_003 + seed + 77)
+        out = []
+        while len(out) < n:
+            terms = [rng.randint(1, 9) for _ in range(rng.randint(2, self.max_terms))]
+            if terms[0] != terms[-1]:  # a palindrome would make the two forms identical
+                out.append(self.make_problem(terms))
+        return out
+
+    extract_answer = staticmethod(extract_answer)
+
+    def is_correct(self, problem: Problem, response: str) -> bool:
+        """Exactly one of the two solutions (so the preamble is required)."""
+        return response.strip().startswith(self.preamble.strip()) and \
+            self.solution_form(problem, response) is not None
+
+    def reward(self, problem: Problem, response: str) -> float:
+        return 1.0 if self.is_correct(problem, response) else 0.0
+
+    def solution_form(self, problem: Problem, response: str) -> int | None:
+        """0 for left-to-right sums, 1 for right-to-left (exactly, preamble included), else None."""
+        return _solution_form(problem, response)
+
+    def solutions(self, problem: Problem) -> list[str]:
+        """Both correct responses, [form 0, form 1]."""
+        if problem.solutions:
+            return list(problem.solutions)
+        return list(self.make_problem([int(x) for x in problem.prompt.rstrip("=?").split("+")]).solutions)
+
+
+def _running_sums(terms: list[int]) -> str:
+    """"7+5=12,12+8=20" for [7, 5, 8]: one worked step per term after the first."""
+    steps, acc = [], terms[0]
+    for x in terms[1:]:
+        steps.append(f"{acc}+{x}={acc + x}")
+        acc += x
+    return ",".join(steps)

@@ -24,6 +24,7 @@ from ..core import objectives
 from ..core.batch import advantages
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
+from .heldout import TrainSplit, eval_problems, evaluate_heldout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
@@ -32,7 +33,7 @@ from .resume import restore
 from .rollout import Rollout, generate
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
-from .task import check_encodable, get_task
+from .task import BUILTIN_TASKS, check_encodable, get_task
 from .traces import TraceWriter
 
 
@@ -121,11 +122,14 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)  # bitwise-identical results hold at a fixed thread count
     store = RunStore(cfg.out, cfg.to_json(), resume=resume, write=D.main)
-    builtin = cfg.task == "arithmetic"
-    task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
+    builtin = cfg.task in BUILTIN_TASKS
+    task = get_task(cfg.task, **({"difficulty": cfg.difficulty} if cfg.task == "arithmetic" else {}))
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
     model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device)
     check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/task.py)
+    # training never draws a held-out problem; evaluation uses only those (loop/heldout.py)
+    evalset = eval_problems(task, cfg.eval_size) if cfg.eval_every else []
+    task = TrainSplit(task)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
@@ -149,6 +153,12 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
             rec, ro = rollout_step(L, cfg, task, tok, step, probes, others, D)
             tracer.end()
             rec["time_step"] = time.perf_counter() - t0
+            if evalset and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                t1 = time.perf_counter()
+                rec.update(evaluate_heldout(unwrap(L.model), tok, task, evalset, cfg.temperature,
+                                            cfg.max_new_tokens or task.max_new_tokens, cfg.seed,
+                                            cfg.amp))
+                rec["time_eval"] = time.perf_counter() - t1
             store.log(rec)
             live.log(rec)
             store.log({"step": step, "objective": L.name, "prompt": ro.problems[0].prompt,
