@@ -147,11 +147,12 @@ def test_prepare_run_prompt_limit_chat_template_and_checkpointing(tmp_path):
     model = _qwen(len(tok))
     task = get_task(_jsonl(tmp_path, ["1+0=?", "a much longer prompt=?", "2+0=?"]))
     cfg = RunConfig(task=task.path.as_posix(), max_prompt_len=10, progress=False)
-    with pytest.raises(ValueError, match=r"^prompt 1 has 22 tokens > limit 10 \(--max-prompt-len\)$"):
+    msg = r"^prompt 1 'a much longer prompt=\?' has 22 tokens > limit 10 \(--max-prompt-len\)$"
+    with pytest.raises(ConfigError, match=msg):
         prepare_run(cfg, model, tok, task)
     cfg.max_prompt_len = None
     cfg.max_new_tokens = 110  # 128 positions - 110 = 18 < 22
-    with pytest.raises(ValueError, match=r"prompt 1 has 22 tokens > limit 18 \(max_position"):
+    with pytest.raises(ValueError, match=r"prompt 1 .* has 22 tokens > limit 18 \(max_position"):
         prepare_run(cfg, model, tok, task)
     # chat template: asked for but absent is a one-line error; present, prompts go through it
     cfg = RunConfig(task=cfg.task, chat_template=True, progress=False)
@@ -206,3 +207,15 @@ def test_math_verifier(tmp_path, monkeypatch):
     p = task.problems(1, 0)[0]  # answer "1"
     assert task.reward(p, "so the answer is $\\frac{2}{2}$") == 1.0
     assert task.reward(p, "x=1.0") == 1.0 and task.reward(p, "x=2") == 0.0
+
+
+def test_cli_over_long_prompt_exits_2_with_one_line(tmp_path, capsys):
+    from gradlab.cli import main
+
+    task = _jsonl(tmp_path, ["1+0=?", "2+0=?", "a much longer prompt=?"])
+    rc = main(["tandem", "--task", task, "--max-prompt-len", "8", "--steps", "1",
+               "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == ["gradlab tandem: error: prompt 2 'a much longer prompt=?' has 22 tokens "
+                   "> limit 8 (--max-prompt-len)"]

@@ -45,9 +45,21 @@ class PromptTask:
         return out
 
     def check(self, problems: list) -> None:
-        """ValueError naming the first over-long prompt (its index in `problems`)."""
-        enc = self.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-        check_prompt_lengths([len(e) for e in enc], *self.limits)
+        """ConfigError naming the first over-long prompt (its index in `problems`, its start)."""
+        texts = [p.prompt for p in problems]
+        enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        try:
+            check_prompt_lengths([len(e) for e in enc], *self.limits, prompts=texts)
+        except ValueError as e:  # a bad option/input: the CLI's one-line error, exit code 2
+            raise ConfigError(str(e)) from None
+
+
+def format_problems(task, problems: list) -> list:
+    """`problems` as `task` shows them to the model (chat template applied when `task` is a
+    `PromptTask`; unchanged otherwise)."""
+    if not isinstance(task, PromptTask):
+        return problems
+    return [replace(p, prompt=task.format(p.prompt)) for p in problems]
 
 
 def prepare_run(cfg, model, tokenizer, task):
@@ -59,7 +71,10 @@ def prepare_run(cfg, model, tokenizer, task):
     """
     if getattr(cfg, "verifier", "exact") != "exact":
         from .task import set_verifier
-        set_verifier(task, cfg.verifier)
+        try:
+            set_verifier(getattr(task, "task", task), cfg.verifier)  # through TrainSplit
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if getattr(cfg, "grad_checkpointing", False):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ConfigError(f"--grad-checkpointing: {type(model).__name__} does not support it")
