@@ -6,7 +6,12 @@
 
 Sections: MEMORY (below) — peak RSS and time of one optimizer step at a fixed micro-batch as
 the step's number of sequences grows (target: 64 → 512 sequences ≤ 1.15× peak RSS).
-A SAMPLING section (ms/token against `generate`) may be added below it.
+SAMPLING — ms per generated token of gradlab's rollout against `model.generate(do_sample=True)`
+on the same real-vocabulary model (target ≤ 1.3×). PROBES — cheap / bare and heavy / bare
+optimizer steps at the real vocabulary (targets ≤ 1.10× / ≤ 1.8×).
+
+    python analyses/bench_scale.py sampling --hidden 256 --layers 4 --prompts 4 --tokens 64
+    python analyses/bench_scale.py probes --hidden 256 --layers 4 --prompts 2 --tokens 64
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: import this checkout's gradlab
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "analyses") not in sys.path:  # sibling scripts (real_vocab_run, bench_probes)
+    sys.path.insert(1, str(ROOT / "analyses"))
 
 VOCAB = 151_936
 
@@ -118,9 +125,96 @@ def memory_table(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
+# ======================================================================================== #
+# SAMPLING: gradlab's rollout against transformers' generate(do_sample=True), same model
+# ======================================================================================== #
+
+def real_vocab_model(hidden: int, layers: int):
+    """(model, tokenizer): the random-init real-vocabulary Qwen3 of analyses/real_vocab_run.py
+    (V = 151,936 embedding rows, 151,669 tokenizer ids), loaded as the loop loads a folder."""
+    import tempfile
+
+    from real_vocab_run import build_folder  # analyses/, on sys.path when run as a script
+
+    from gradlab.loop.policy import load_policy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_folder(Path(tmp), hidden, layers)
+        return load_policy(tmp)
+
+
+def sampling_table(a: argparse.Namespace) -> dict:
+    """Median wall time per generated position (ms; one position = one token for each of the
+    N = prompts × G rows) of gradlab.loop.rollout.generate (keyed O(1) noise, as the loop
+    samples) and of model.generate(do_sample=True, top_k=0, top_p=1, temperature=1: the same
+    distribution), interleaved, KV cache in both; both run the full --tokens (EOS masked out)."""
+    from gradlab.loop.rollout import generate
+    from gradlab.loop.task import ArithmeticTask
+
+    model, tok = real_vocab_model(a.hidden, a.layers)
+    problems = ArithmeticTask().problems(a.prompts, seed=0)
+    N = a.prompts * a.G
+    keys = torch.arange(N)
+    enc = tok([p.prompt for p in problems for _ in range(a.G)], padding=True, return_tensors="pt",
+              add_special_tokens=False)
+    # a random model would almost never emit EOS (1 in 151,669), but make both run full length
+    bad = [[tok.eos_token_id]]
+
+    def ours() -> int:
+        ro = generate(model, tok, problems, a.G, a.tokens, 1.0, row_keys=keys)
+        return ro.response_ids.shape[1]
+
+    def theirs() -> int:
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=True, max_new_tokens=a.tokens,
+                                 min_new_tokens=a.tokens, top_k=0, top_p=1.0, temperature=1.0,
+                                 pad_token_id=tok.pad_token_id, bad_words_ids=bad)
+        return out.shape[1] - enc["input_ids"].shape[1]
+
+    times: dict[str, list[float]] = {"gradlab": [], "generate": []}
+    fns = {"gradlab": ours, "generate": theirs}
+    for fn in fns.values():  # warm-up
+        fn()
+    for _ in range(a.repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            n = fn()
+            times[k].append(1e3 * (time.perf_counter() - t0) / n)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"\nSampling, random-init Qwen3 V={VOCAB} (tokenizer 151,669 ids), hidden {a.hidden}, "
+          f"{a.layers} layers, {N} rows ({a.prompts} prompts × G={a.G}) × {a.tokens} tokens, "
+          f"medians of {a.repeats}, 1 thread\n")
+    print("| sampler | ms / position | ms / token (per row) | ratio to generate |")
+    print("|---|---:|---:|---:|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.1f} | {v / N:.2f} | {v / med['generate']:.2f}× |")
+    return med
+
+
+# ======================================================================================== #
+# PROBES: cheap / bare and heavy / bare at the real vocabulary (analyses/bench_probes.py)
+# ======================================================================================== #
+
+def probes_table(a: argparse.Namespace) -> dict:
+    """bench_probes.bench on the real-vocabulary model: medians (s) of the bare, cheap, traced
+    and heavy optimizer steps on one fake batch of groups × G rows × --tokens tokens."""
+    from bench_probes import bench  # analyses/
+
+    model, tok = real_vocab_model(a.hidden, a.layers)
+    model.train()
+    t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok)
+    print(f"\nProbe overhead, random-init Qwen3 V={VOCAB}, hidden {a.hidden}, {a.layers} layers, "
+          f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}\n")
+    print("| bare (s) | cheap / bare | traced / bare | heavy / bare |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {t['bare']:.2f} | {t['cheap'] / t['bare']:.2f}× | {t['traced'] / t['bare']:.2f}× | "
+          f"{t['heavy'] / t['bare']:.2f}× |")
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["memory", "_memory_child"])
+    p.add_argument("what", choices=["memory", "sampling", "probes", "_memory_child"])
     p.add_argument("--sizes", default="64,512", help="sequences per optimizer step")
     p.add_argument("--n", type=int, default=64)
     p.add_argument("--tokens", type=int, default=256)
@@ -130,13 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--objective", default="gspo")
     p.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prompts", type=int, default=4, help="sampling/probes: prompts (groups)")
+    p.add_argument("--repeats", type=int, default=3, help="sampling/probes: timed repeats")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "_memory_child":
         print(json.dumps(memory_child(a.n, a.tokens, a.micro_batch, a.G, a.hidden, a.layers,
                                       a.probes, a.objective)))
         return 0
-    memory_table(a)
+    {"memory": memory_table, "sampling": sampling_table, "probes": probes_table}[a.what](a)
     return 0
 
 

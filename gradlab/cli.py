@@ -36,6 +36,11 @@ HELP = {
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
     "trace_groups": "groups traced per traced rollout step",
     "log": "live logging while training: tensorboard and/or trackio (comma-separated)",
+    "max_prompt_len": "longest prompt in tokens (longer: an error naming the prompt)",
+    "chat_template": "wrap prompts in the tokenizer's chat template",
+    "grad_checkpointing": "recompute activations in backward (model.gradient_checkpointing_enable)",
+    "verifier": "JSONL answers: exact (text after the last '=') or math (math-verify; "
+                "pip install gradlab[math])",
     "on_nonfinite": "a non-finite loss, gradient or parameter: stop (exit code 3) or skip the "
                     "update (counted as nonfinite_steps)",
     "threads": "torch intra-op threads (0 = torch's current count); recorded in config.json: "
@@ -55,7 +60,7 @@ def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
             p.add_argument(flag, default=None, help=HELP.get(f.name))
         else:
             typ = float if isinstance(default, float) else int if isinstance(default, int) else str
-            typ = int if f.name in ("max_new_tokens", "micro_batch") else typ  # Optional[int], default None
+            typ = int if f.name in ("max_new_tokens", "micro_batch", "max_prompt_len") else typ  # Optional[int]
             p.add_argument(flag, type=typ, default=default, help=HELP.get(f.name, "") + f" (default {default})")
 
 

@@ -124,3 +124,30 @@ def test_load_policy_caches_warm_start(tmp_path, monkeypatch):
     load_policy(task=task, cache_dir=tmp_path)
     assert calls == ["arithmetic-d1"]  # second call hits the cache
     assert (tmp_path / "arithmetic-d1-seed0" / "model.safetensors").is_file()
+
+
+def test_bf16_folder_loads_fp32_master_weights_with_sdpa(tmp_path, default_policy):
+    """A bf16 checkpoint loads as float32 (exactly the stored values) with SDPA attention, so a
+    small AdamW step moves weights that bf16 would round back (1.0 - 2e-4 is 1.0 in bf16)."""
+    model, tok = default_policy
+    bf16 = new_model(tok, seed=1).to(torch.bfloat16)
+    save_policy(bf16, tok, tmp_path / "bf16")
+    m, _ = load_policy(tmp_path / "bf16")
+    assert {p.dtype for p in m.parameters()} == {torch.float32}
+    assert m.config._attn_implementation == "sdpa"
+    for (n, p), (_, q) in zip(m.named_parameters(), bf16.named_parameters()):
+        assert torch.equal(p, q.float()), n
+    pi, pm, ri, rm = policy.encode_pairs(tok, ["12+34=?", "1+2=?"], ["so 12+34=46", "so 1+2=3"])
+    eager = new_model(tok, seed=1)
+    eager.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
+    from gradlab.loop.logprobs import token_logps
+    torch.testing.assert_close(token_logps(m, pi, pm, ri, rm), token_logps(eager, pi, pm, ri, rm),
+                               atol=2e-5, rtol=0)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-4, weight_decay=0.0)
+    norm = m.model.norm.weight
+    before = norm.detach().clone()
+    (-token_logps(m, pi, pm, ri, rm).sum()).backward()
+    opt.step()
+    assert (norm.detach() != before).float().mean() > 0.9  # fp32: the step is not rounded away
+    assert torch.equal(norm.detach().bfloat16().float(), before)  # bf16 would have lost it

@@ -42,6 +42,10 @@ class RunConfig:
     grad_clip: float = 1.0
     temperature: float = 1.0
     max_new_tokens: int | None = None
+    max_prompt_len: int | None = None  # prompt tokens; longer prompts are an error
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    grad_checkpointing: bool = False  # model.gradient_checkpointing_enable()
+    verifier: str = "exact"  # JSONL answers: exact string or "math" (math-verify)
     adv_scale: str = "group"
     seed: int = 0
     device: str = "cpu"
@@ -112,6 +116,8 @@ def validate(c: RunConfig) -> None:
         ("difficulty", 1 <= c.difficulty <= 9, "in 1..9"),
         ("max_new_tokens", c.max_new_tokens is None or 1 <= c.max_new_tokens <= 4096,
          "in 1..4096 or unset (the task's default)"),
+        ("max_prompt_len", c.max_prompt_len is None or c.max_prompt_len >= 1, "≥ 1 or unset"),
+        ("verifier", c.verifier in ("exact", "math"), "exact or math"),
     ]
     for opt, ok, valid in checks:
         if not ok:

@@ -281,13 +281,17 @@ def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) ->
     return path
 
 
-def _load_folder(path: Path, device, attn: str | None = None) -> tuple:
+def _load_folder(path: Path, device, attn: str = "sdpa") -> tuple:
+    """(model, tokenizer) from a folder. float32 master weights whatever the stored dtype (a
+    bf16 folder trained in bf16 loses small AdamW updates to rounding; `--amp` autocasts the
+    forward to bf16 on CUDA instead); SDPA attention unless told (the toy policies use eager)."""
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per tiny load is noise
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
+                                                     dtype=torch.float32)
     finally:
         if bar:
             hf_logging.enable_progress_bar()

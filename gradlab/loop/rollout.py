@@ -154,8 +154,10 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 
 def check_prompt_lengths(lengths: list[int], max_prompt_len: int | None = None,
-                         max_positions: int | None = None, max_new_tokens: int = 0) -> None:
-    """ValueError naming the first prompt (its index in `lengths`) longer than the limit.
+                         max_positions: int | None = None, max_new_tokens: int = 0,
+                         prompts: list[str] | None = None) -> None:
+    """ValueError naming the first prompt (its index in `lengths`, and its start when `prompts`
+    is given) longer than the limit.
 
     Limits: `max_prompt_len` (tokens), and the model's `max_positions` minus `max_new_tokens`
     (a prompt must leave room for its response). Called before any model allocation.
@@ -169,7 +171,8 @@ def check_prompt_lengths(lengths: list[int], max_prompt_len: int | None = None,
     for limit, what in limits:
         for i, n in enumerate(lengths):
             if n > limit:
-                raise ValueError(f"prompt {i} has {n} tokens > limit {limit} ({what})")
+                text = f" {prompts[i][:60]!r}" if prompts is not None else ""
+                raise ValueError(f"prompt {i}{text} has {n} tokens > limit {limit} ({what})")
 
 
 def _encode_prompts(tokenizer, prompts: list[str], device: torch.device):

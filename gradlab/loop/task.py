@@ -205,11 +205,15 @@ class JsonlTask:
 
     extract_answer = staticmethod(extract_answer)
 
+    verifier = "exact"  # or "math" (set_verifier): math-verify equivalence
+
     def is_correct(self, problem: Problem, response: str) -> bool:
+        if self.verifier == "math":
+            return math_equal(problem.answer, response)
         return extract_answer(response) == problem.answer
 
     def reward(self, problem: Problem, response: str) -> float:
-        """1.0 if the extracted answer equals the line's "answer", else 0.0."""
+        """1.0 if the extracted answer equals the line's "answer", else 0.0 (`verifier`)."""
         return 1.0 if self.is_correct(problem, response) else 0.0
 
     def solution_form(self, problem: Problem, response: str) -> int | None:
@@ -273,6 +277,41 @@ def get_task(name_or_path: str, **kw) -> ArithmeticTask | JsonlTask | ScaffoldTa
     if str(name_or_path).endswith(".jsonl"):
         return JsonlTask(name_or_path, **kw)
     raise ValueError(f"unknown task {name_or_path!r}; valid values: {', '.join(TASKS)}")
+
+
+VERIFIERS = ("exact", "math")
+MATH_INSTALL = "pip install gradlab[math]"
+
+
+def set_verifier(task, name: str) -> None:
+    """Switch a JSONL task's answer check: "exact" (string after the last "=") or "math"
+    (math-verify: the response's final answer, or the text after its last "=", mathematically
+    equal to the line's answer). ValueError for an unknown name, an arithmetic task, or
+    math-verify missing (naming the install command)."""
+    if name not in VERIFIERS:
+        raise ValueError(f"--verifier: unknown {name!r}; valid: {', '.join(VERIFIERS)}")
+    if name == "math":
+        if not isinstance(task, JsonlTask):
+            raise ValueError("--verifier math: applies to JSONL tasks (arithmetic has its own)")
+        _math_verify()
+    task.verifier = name
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise ValueError(f"--verifier math needs math-verify: {MATH_INSTALL}") from None
+    return math_verify
+
+
+def math_equal(answer: str, response: str) -> bool:
+    """math-verify equivalence of `response` (its final answer, else the text after its last
+    "=") with the reference `answer`."""
+    mv = _math_verify()
+    gold = mv.parse(answer)
+    cands = [response] + ([a] if (a := extract_answer(response)) else [])
+    return any(mv.verify(gold, mv.parse(c)) for c in cands)
 
 
 # ----------------------------------------------------------------------------- scaffold task

@@ -29,6 +29,7 @@ from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
 from .probeset import probe_metrics, probe_set
+from .realmodel import format_problems, prepare_run
 from .resume import restore
 from .rollout import Rollout, generate
 from .step import amp_context, minibatches, optimizer_step
@@ -129,7 +130,10 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/task.py)
     # training never draws a held-out problem; evaluation uses only those (loop/heldout.py)
     evalset = eval_problems(task, cfg.eval_size) if cfg.eval_every else []
-    task = TrainSplit(task)
+    # chat template, prompt limit, grad checkpointing, verifier (loop/realmodel.py); the split
+    # stays on the raw prompts, the template wraps what the model sees
+    task = prepare_run(cfg, model, tok, TrainSplit(task))
+    evalset = format_problems(task, evalset)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
         (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
