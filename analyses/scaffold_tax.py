@@ -14,7 +14,7 @@ problems). Writes <out>/scaffold_tax.md, scaffold_tax.csv (task, seed, pair, obj
 metric, value) and scaffold_tax.json (summary + provenance).
 
     python analyses/scaffold_tax.py            # 5 seeds × 2 tasks × 2 tandems × 3 steps (~5 min)
-    python analyses/scaffold_tax.py --quick    # 1 seed, 1 step, tiny batch: seconds, for tests
+    python analyses/scaffold_tax.py --quick    # 1 seed, 2 steps, tiny batch: seconds, for tests
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import pandas as pd
 
 from analyses.common import (
@@ -43,7 +42,7 @@ from analyses.common import (
 TASKS = ("scaffold", "arithmetic")
 PAIRS = {"dfpo": ["gspo", "dfpo-min"], "clip": ["gspo", "gspo[eps=1e9]"]}
 FULL = dict(steps=3, tax_every=1, progress=False)
-QUICK = dict(steps=1, tax_every=1, prompts=2, G=4, minibatches=2, probe_contexts=2,
+QUICK = dict(steps=2, tax_every=1, prompts=2, G=4, minibatches=2, probe_contexts=2,
              progress=False)
 KEYS = ["shared_frac_prefix", "length", "tax_share", "tax_norm", "rho_prefix", "attr_residual",
         "attr_clip", "attr_length", "attr_coupling", "clip_frac", "eval_accuracy",
@@ -93,11 +92,17 @@ def summarise(tidy: pd.DataFrame) -> dict:
                      "clip_share_of_tax_step0_per_seed": clip0.round(3).tolist(),
                      "clip_share_of_tax_step0_median": float(clip0.median())}
     a, b = out["scaffold"], out["arithmetic"]
-    out["ratio"] = {"of_means": a["tax_share"] / b["tax_share"],
-                    "per_seed": (np.array(a["tax_share_per_seed"])
-                                 / np.array(b["tax_share_per_seed"])).round(1).tolist(),
-                    "of_step_medians": a["tax_share_step_median"] / b["tax_share_step_median"]}
+    out["ratio"] = {"of_means": _ratio(a["tax_share"], b["tax_share"]),
+                    "per_seed": [round(_ratio(x, y), 1) for x, y in
+                                 zip(a["tax_share_per_seed"], b["tax_share_per_seed"])],
+                    "of_step_medians": _ratio(a["tax_share_step_median"],
+                                              b["tax_share_step_median"])}
     return out
+
+
+def _ratio(x: float, y: float) -> float:
+    """x / y; NaN (not an error) when the arithmetic tax y is exactly 0 (tiny quick runs)."""
+    return float(x) / float(y) if y != 0 else float("nan")
 
 
 def markdown(summ: dict, n_seeds: int, size: dict, seconds: float) -> str:

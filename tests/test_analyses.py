@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analyses import ablations, common, figure2, figure3, noise_floor, prop31  # noqa: E402
+from analyses import ablations, common, figure2, figure3, noise_floor, prop31, scaffold_tax  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -159,3 +159,19 @@ def test_prop31_quick(tmp_path):
     assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
     assert meta["provenance"]["command"].startswith("python analyses/prop31.py --quick")
     assert (tmp_path / "prop31.png").stat().st_size > 10_000
+
+
+def test_scaffold_tax_quick(tmp_path):
+    """The scaffold/arithmetic comparison end to end on tiny runs: DFPO's tax is float round-off
+    on both tasks, GSPO learns the same in either tandem (learners are independent, so the
+    `clip` pair's GSPO is the `dfpo` pair's GSPO to the bit), and the outputs carry provenance."""
+    assert scaffold_tax.main(["--quick", "--runs", str(tmp_path / "runs"),
+                              "--out", str(tmp_path)]) == 0
+    tidy = pd.read_csv(tmp_path / "scaffold_tax.csv")
+    dfpo = tidy[(tidy["objective"] == "dfpo-min") & (tidy["metric"] == "tax_share")]
+    assert len(dfpo) == 2 * 2 and (dfpo["value"] < 1e-6).all()
+    g = tidy[tidy["objective"] == "gspo"].pivot_table(
+        index=["task", "seed", "step", "metric"], columns="pair", values="value")
+    assert np.array_equal(g["dfpo"].to_numpy(), g["clip"].to_numpy())
+    meta = json.loads((tmp_path / "scaffold_tax.json").read_text())
+    assert meta["provenance"]["threads"] == 1 and set(meta["summary"]) >= {"scaffold", "arithmetic"}
