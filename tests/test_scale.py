@@ -219,3 +219,34 @@ def test_cli_over_long_prompt_exits_2_with_one_line(tmp_path, capsys):
     assert rc == 2
     assert err == ["gradlab tandem: error: prompt 2 'a much longer prompt=?' has 22 tokens "
                    "> limit 8 (--max-prompt-len)"]
+
+
+def test_train_uses_chat_template_and_grad_checkpointing_changes_nothing(tmp_path):
+    """prepare_run is wired into train(): the samples' prompts went through the chat template,
+    and --grad-checkpointing (recomputed activations) gives the same run, metric for metric."""
+    import json
+
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.policy import load_policy, save_policy
+    from gradlab.loop.train import train
+
+    model, tok = load_policy()
+    # a one-character template: the toy policy still answers (some right, some wrong)
+    tok.chat_template = "{% for m in messages %}?{{ m['content'] }}{% endfor %}"
+    save_policy(model, tok, tmp_path / "m")
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                         for p, a in [("12+34=?", "46"), ("25+31=?", "56")]))
+    kw = dict(task=str(f), model=str(tmp_path / "m"), steps=1, prompts=2, G=4, minibatches=1,
+              tax_every=1, eval_every=0, progress=False, probe_contexts=2,
+              objectives=["gspo"], chat_template=True)
+    runs = []
+    for gc in (False, True):
+        out = tmp_path / f"run{gc}"
+        train(RunConfig(out=str(out), grad_checkpointing=gc, **kw))
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        runs.append({k: v for k, v in json.loads(lines[0]).items() if not k.startswith("time_")})
+        sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+        assert sample["prompt"] in ("?12+34=?", "?25+31=?")
+    assert runs[0] == runs[1]
+    assert runs[0]["grad_norm"] > 0, runs[0]["reward"]
