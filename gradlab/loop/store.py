@@ -96,6 +96,19 @@ class RunStore:
             keep = [r for r in _read_jsonl(p) if r.get("step", -1) <= step]
             _atomic_write(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
 
+    def drop_keys_at(self, step: int, keys: tuple[str, ...]) -> None:
+        """Remove `keys` from the metrics records of `step` (an end-of-run evaluation that a
+        resumed, longer run does not schedule there; see train.py)."""
+        p = self.path / "metrics.jsonl"
+        if not self.write or not p.exists():
+            return
+        rows = _read_jsonl(p)
+        if not any(r.get("step") == step and any(k in r for k in keys) for r in rows):
+            return
+        rows = [{k: v for k, v in r.items() if r.get("step") != step or k not in keys}
+                for r in rows]
+        _atomic_write(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
     # --- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, name: str, model, optimizer, state: dict, tensors: dict) -> None:
         """Model and optimizer in safetensors, plus JSON state and extra tensors (RNG states)."""

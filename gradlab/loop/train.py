@@ -25,6 +25,8 @@ from ..core.batch import advantages
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .heldout import TrainSplit, eval_problems, evaluate_heldout
+
+EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "time_eval")
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
@@ -142,6 +144,10 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     learners = make_learners(cfg, model, trained)
     del model
     start = restore(store, learners, D) if resume else 0  # loop/resume.py
+    if 0 < start < cfg.steps and cfg.eval_every and start % cfg.eval_every and D.main:
+        # the shorter run evaluated at its end (step start-1); an uninterrupted run of this
+        # length does not evaluate there, so neither does the resumed one: resume stays exact
+        store.drop_keys_at(start - 1, EVAL_KEYS)
     tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
