@@ -25,8 +25,6 @@ from ..core.batch import advantages
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .heldout import TrainSplit, eval_problems, evaluate_heldout
-
-EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "time_eval")
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
@@ -38,6 +36,8 @@ from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
 from .task import BUILTIN_TASKS, check_encodable, get_task
 from .traces import TraceWriter
+
+EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "time_eval")
 
 
 @dataclass
