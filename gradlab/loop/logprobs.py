@@ -41,7 +41,8 @@ def token_logps(
     """Log-probs (nats) of the response tokens, with gradient, from one forward pass.
 
     prompt_ids/prompt_mask: (N, P), left-padded; response_ids/response_mask: (N, T).
-    Returns logps (N, T) float32, 0 at masked positions. With return_entropy and/or
+    Returns logps (N, T) float32, 0 at masked positions (the entropy, a reading, carries no
+    gradient). With return_entropy and/or
     return_logprobs returns a tuple (logps, [entropy (N, T), 0 masked], [log-softmax (N, T, V)])
     in that order, all at `temperature` (logits / temperature).
     chunk: logit rows per LM-head chunk (default LOGIT_BUDGET // V). return_logprobs=True
@@ -75,14 +76,18 @@ def token_logps(
 
 
 def _selective(head, hs: torch.Tensor, tok: torch.Tensor, temperature: float, entropy: bool):
-    """(c,) log-probs of `tok` and (c,) entropies from (c, H) hidden states: the (c, V) logits
-    live only inside this function (float32, logsumexp minus the gathered logit)."""
+    """(c,) log-probs of `tok` (with gradient) and (c,) entropies (without) from (c, H) hidden
+    states: the (c, V) logits live only inside this function (float32, logsumexp minus the
+    gathered logit)."""
     logits = head(hs).float() / temperature  # (c, V)
     lse = logits.logsumexp(-1)
     lp = logits.gather(-1, tok[:, None]).squeeze(-1) - lse
     if not entropy:
         return (lp,)
-    ent = lse - (F.softmax(logits, -1) * logits).sum(-1)  # H = logsumexp - E_p[logit]
+    # entropy is a reading (callers detach it): no graph, so checkpoint's backward recompute
+    # stops after lp's saved tensors and never redoes this V-wide softmax (same values)
+    with torch.no_grad():
+        ent = lse - (F.softmax(logits, -1) * logits).sum(-1)  # H = logsumexp - E_p[logit]
     return lp, ent
 
 
@@ -147,7 +152,8 @@ def _from_logits(logits, response_ids, response_mask, temperature, return_entrop
         return logps
     result = [logps]
     if return_entropy:
-        ent = -(logprobs.exp() * logprobs).sum(-1)
+        with torch.no_grad():  # a reading, as in _selective: no graph kept for it
+            ent = -(logprobs.exp() * logprobs).sum(-1)
         result.append(ent.masked_fill(~response_mask, 0.0))
     if return_logprobs:
         result.append(logprobs)
