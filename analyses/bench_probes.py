@@ -5,6 +5,8 @@
 
 Same batch, same objective (GSPO), same model, measured side by side and interleaved:
   bare   forward → loss → backward → clip → AdamW step (what a trainer does)
+  loop   gradlab's own step with --no-probes: bare + the per-token entropy every step logs
+         (one V-wide softmax per token, no gradient) and the micro-batch bookkeeping
   cheap  + hook-measured W, W deviation from closed form, residuals at prefix and trie nodes,
          entropy, drift at the step's shared nodes (gradlab's every-step tier)
   traced cheap + the token traces of 2 groups written to Parquet (a step the loop traces:
@@ -79,10 +81,12 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
     L = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
                 torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
     cfg = RunConfig(progress=False, drift=True)
+    off = RunConfig(progress=False, probes=False)
     rows = torch.arange(ro.group.numel())
     tracer = TraceWriter(tempfile.mkdtemp(prefix="bench_traces"), 1, cfg.trace_groups, tok)
     tiers = {
         "bare": lambda: bare_step(L, ro, adv),
+        "loop": lambda: optimizer_step(L, off, ro, adv, rows, StepMetrics(), False, [], Dist()),
         "cheap": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist()),
         "traced": lambda: traced_step(L, cfg, ro, adv, rows, tracer),
         "heavy": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), True, [], Dist()),
@@ -112,15 +116,16 @@ def main() -> None:
     tok = build_tokenizer()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {a.groups}×{a.G} "
           f"sequences × {a.T} response tokens; medians of {a.repeats}")
-    print("| model | params | bare (s) | cheap (s) | traced (s) | heavy (s) | cheap / bare | "
-          "traced / bare | heavy / bare |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | params | bare (s) | loop (s) | cheap (s) | traced (s) | heavy (s) | "
+          "loop / bare | cheap / bare | traced / bare | heavy / bare |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         model = load_policy()[0] if name == "tiny" else new_model(tok, name)
         model.train()
         t = bench(model, a.groups, a.G, a.T, a.repeats, tok)
-        print(f"| {name} | {n_params(model) / 1e6:.2f} M | {t['bare']:.3f} | {t['cheap']:.3f} | "
-              f"{t['traced']:.3f} | {t['heavy']:.3f} | {t['cheap'] / t['bare']:.2f}× | "
+        print(f"| {name} | {n_params(model) / 1e6:.2f} M | {t['bare']:.3f} | {t['loop']:.3f} | "
+              f"{t['cheap']:.3f} | {t['traced']:.3f} | {t['heavy']:.3f} | "
+              f"{t['loop'] / t['bare']:.2f}× | {t['cheap'] / t['bare']:.2f}× | "
               f"{t['traced'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× |")
 
 
