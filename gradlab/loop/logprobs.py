@@ -15,6 +15,8 @@ stored: peak logits memory is O(chunk × V), not O(N T V).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -37,34 +39,37 @@ def token_logps(
     return_entropy: bool = False,
     return_logprobs: bool = False,
     chunk: int | None = None,
+    entropy_grad: bool = True,
 ):
     """Log-probs (nats) of the response tokens, with gradient, from one forward pass.
 
     prompt_ids/prompt_mask: (N, P), left-padded; response_ids/response_mask: (N, T).
-    Returns logps (N, T) float32, 0 at masked positions (the entropy, a reading, carries no
-    gradient). With return_entropy and/or
+    Returns logps (N, T) float32, 0 at masked positions. With return_entropy and/or
     return_logprobs returns a tuple (logps, [entropy (N, T), 0 masked], [log-softmax (N, T, V)])
     in that order, all at `temperature` (logits / temperature).
     chunk: logit rows per LM-head chunk (default LOGIT_BUDGET // V). return_logprobs=True
     materialises (N, T, V) by definition: call it on a few rows only (drift, probe set).
+    entropy_grad=False: the entropy is a reading only (no graph). Why it matters: under the
+    chunked path the checkpoint's backward then stops recomputing each chunk once lp's saved
+    tensors are back, instead of redoing the V-wide softmax of the entropy (same values).
     """
     ids = torch.cat([prompt_ids, response_ids], dim=1)  # (N, P + T)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     body, head = _body_and_head(model)
     if return_logprobs or head is None:
         return _full(model, ids, mask, response_ids, response_mask, temperature,
-                     return_entropy, return_logprobs)
+                     return_entropy, return_logprobs, entropy_grad)
     h = _hidden(model, body, ids, mask)[:, prompt_ids.shape[1] - 1 :]  # (N, T + 1, H)
     N, T = response_ids.shape
     c = chunk or max(1, LOGIT_BUDGET // head.out_features)
     if N * T <= c:  # fits one chunk: the plain computation on the (N, T, V) grid, same numerics
         return _from_logits(head(h), response_ids, response_mask, temperature, return_entropy,
-                            False)
+                            False, entropy_grad)
     sel = response_mask.nonzero(as_tuple=True)  # only real response tokens reach the head
     hs, tok = h[:, :-1][sel], response_ids[sel]  # (M, H), (M,): position t predicts token t
     parts = []
     for s in range(0, tok.numel(), c):
-        args = (head, hs[s : s + c], tok[s : s + c], temperature, return_entropy)
+        args = (head, hs[s : s + c], tok[s : s + c], temperature, return_entropy, entropy_grad)
         use_ckpt = torch.is_grad_enabled() and tok.numel() > c  # one chunk: nothing to save
         parts.append(checkpoint(_selective, *args, use_reentrant=False) if use_ckpt
                      else _selective(*args))
@@ -75,20 +80,23 @@ def token_logps(
     return tuple(out) if return_entropy else out[0]
 
 
-def _selective(head, hs: torch.Tensor, tok: torch.Tensor, temperature: float, entropy: bool):
-    """(c,) log-probs of `tok` (with gradient) and (c,) entropies (without) from (c, H) hidden
-    states: the (c, V) logits live only inside this function (float32, logsumexp minus the
-    gathered logit)."""
+def _selective(head, hs: torch.Tensor, tok: torch.Tensor, temperature: float, entropy: bool,
+               entropy_grad: bool = True):
+    """(c,) log-probs of `tok` and (c,) entropies from (c, H) hidden states: the (c, V) logits
+    live only inside this function (float32, logsumexp minus the gathered logit)."""
     logits = head(hs).float() / temperature  # (c, V)
     lse = logits.logsumexp(-1)
     lp = logits.gather(-1, tok[:, None]).squeeze(-1) - lse
     if not entropy:
         return (lp,)
-    # entropy is a reading (callers detach it): no graph, so checkpoint's backward recompute
-    # stops after lp's saved tensors and never redoes this V-wide softmax (same values)
-    with torch.no_grad():
+    with _grad_if(entropy_grad):  # no graph: checkpoint's recompute never redoes this softmax
         ent = lse - (F.softmax(logits, -1) * logits).sum(-1)  # H = logsumexp - E_p[logit]
     return lp, ent
+
+
+def _grad_if(keep: bool):
+    """No-op context when `keep`, else no_grad (never turns grad on inside a no_grad region)."""
+    return contextlib.nullcontext() if keep else torch.no_grad()
 
 
 def _body_and_head(model):
@@ -132,17 +140,17 @@ def _hidden(model, body, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _full(model, ids, mask, response_ids, response_mask, temperature, return_entropy,
-          return_logprobs):
+          return_logprobs, entropy_grad: bool = True):
     """The plain path: the model's own (N, T + 1, V) logits and a full log-softmax."""
     T = response_ids.shape[1]
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions(mask),
                 use_cache=False, logits_to_keep=T + 1)
     return _from_logits(out.logits, response_ids, response_mask, temperature, return_entropy,
-                        return_logprobs)
+                        return_logprobs, entropy_grad)
 
 
 def _from_logits(logits, response_ids, response_mask, temperature, return_entropy,
-                 return_logprobs):
+                 return_logprobs, entropy_grad: bool = True):
     """logps (N, T) [, entropy (N, T)] [, log-softmax (N, T, V)] from (N, T + 1, V) logits."""
     logits = logits[:, :-1].float() / temperature  # (N, T, V): position t predicts token t
     logprobs = F.log_softmax(logits, dim=-1)
@@ -152,7 +160,7 @@ def _from_logits(logits, response_ids, response_mask, temperature, return_entrop
         return logps
     result = [logps]
     if return_entropy:
-        with torch.no_grad():  # a reading, as in _selective: no graph kept for it
+        with _grad_if(entropy_grad):
             ent = -(logprobs.exp() * logprobs).sum(-1)
         result.append(ent.masked_fill(~response_mask, 0.0))
     if return_logprobs:

@@ -138,7 +138,7 @@ def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.T
             with amp_context(cfg):
                 lp, e = token_logps(L.model, ro.prompt_ids[r], ro.prompt_mask[r],
                                     ro.response_ids[r, :t], ro.response_mask[r, :t],
-                                    cfg.temperature, return_entropy=True)
+                                    cfg.temperature, return_entropy=True, entropy_grad=False)
             mb = TokenBatch(ro.response_ids[r, :t], ro.response_mask[r, :t], lp,
                             ro.old_logps[r, :t], adv[r], ro.group[r], n_seqs=norms[0],
                             n_tokens=norms[1], width=norms[2], validate=False)

@@ -1,0 +1,62 @@
+"""The per-token entropy every loop step logs is a reading: with entropy_grad=False it carries no
+graph, so the chunked LM head's checkpoint recompute in backward stops before the V-wide softmax
+(issue 15, cheap-tier overhead at V = 151,936). Values and gradients are unchanged, bit for bit."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from gradlab.loop.logprobs import token_logps
+
+
+class _Count(TorchDispatchMode):
+    """Counts aten ops by name while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _setup(vocab: int = 257):
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    N, P, T = 4, 3, 9
+    rm = torch.arange(T)[None] < torch.tensor([9, 4, 7, 2])[:, None]
+    batch = (torch.randint(2, vocab, (N, P), generator=g), torch.ones(N, P, dtype=torch.bool),
+             torch.randint(2, vocab, (N, T), generator=g) * rm, rm)
+    return model, batch
+
+
+def _run(model, batch, chunk, entropy_grad):
+    model.zero_grad(set_to_none=True)
+    lp, ent = token_logps(model, *batch, 0.9, return_entropy=True, chunk=chunk,
+                          entropy_grad=entropy_grad)
+    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
+    loss = (w * lp).sum()
+    with _Count() as c:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp.detach(), ent, grads, c.ops
+
+
+def test_entropy_reading_same_values_no_softmax_in_backward():
+    model, batch = _setup()
+    for chunk in (4, None):  # chunked (checkpointed) path and the one-chunk plain grid
+        lp1, ent1, g1, ops1 = _run(model, batch, chunk, True)
+        lp0, ent0, g0, ops0 = _run(model, batch, chunk, False)
+        assert ent1.requires_grad and not ent0.requires_grad
+        assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1.detach())
+        assert all(torch.equal(g0[n], g1[n]) for n in g1)
+        if chunk == 4:  # the checkpoint recompute redoes the softmax only for a graphed entropy
+            assert ops1.get("_softmax", 0) > 0
+            assert ops0.get("_softmax", 0) == 0
