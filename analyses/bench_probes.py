@@ -92,14 +92,20 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
         "heavy": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), True, [], Dist()),
     }
     times: dict[str, list[float]] = {k: [] for k in tiers}
+    cpu: dict[str, list[float]] = {k: [] for k in tiers}
     for fn in tiers.values():
         fn()  # warm-up
     for _ in range(repeats):
         for k, fn in tiers.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+            cpu[k].append(time.process_time() - c0)
+    # wall medians under the tier names; CPU-time medians (user + sys of this process, what a
+    # single-threaded step costs however contended the machine is) under "cpu_<tier>"
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"cpu_{k}": statistics.median(v) for k, v in cpu.items()})
+    return out
 
 
 def main() -> None:

@@ -205,14 +205,17 @@ def probes_table(a: argparse.Namespace) -> dict:
     model.train()
     t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok)
     print(f"\nProbe overhead, random-init Qwen3 V={VOCAB}, hidden {a.hidden}, {a.layers} layers, "
-          f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}\n")
-    print("| bare (s) | loop, no probes (s) | cheap (s) | heavy (s) | loop / bare | cheap / bare "
-          "| traced / bare | heavy / bare | cheap / loop |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {t['bare']:.2f} | {t['loop']:.2f} | {t['cheap']:.2f} | {t['heavy']:.2f} | "
-          f"{t['loop'] / t['bare']:.2f}× | {t['cheap'] / t['bare']:.2f}× | "
-          f"{t['traced'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× | "
-          f"{t['cheap'] / t['loop']:.2f}× |")
+          f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}, "
+          "interleaved; CPU time = user + sys of the (single-threaded) process\n")
+    print("| clock | bare (s) | loop, no probes (s) | cheap (s) | heavy (s) | loop / bare | "
+          "cheap / bare | traced / bare | heavy / bare | cheap / loop |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for clock, p in (("CPU time", "cpu_"), ("wall", "")):
+        b = t[p + "bare"]
+        print(f"| {clock} | {b:.2f} | {t[p + 'loop']:.2f} | {t[p + 'cheap']:.2f} | "
+              f"{t[p + 'heavy']:.2f} | {t[p + 'loop'] / b:.2f}× | {t[p + 'cheap'] / b:.2f}× | "
+              f"{t[p + 'traced'] / b:.2f}× | {t[p + 'heavy'] / b:.2f}× | "
+              f"{t[p + 'cheap'] / t[p + 'loop']:.2f}× |")
     print(f"\nall medians (s): {json.dumps({k: round(v, 3) for k, v in t.items()})}")
     return t
 
