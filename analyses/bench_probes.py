@@ -84,12 +84,21 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
     off = RunConfig(progress=False, probes=False)
     rows = torch.arange(ro.group.numel())
     tracer = TraceWriter(tempfile.mkdtemp(prefix="bench_traces"), 1, cfg.trace_groups, tok)
+    phase: dict[str, list[float]] = {"cheap": [], "heavy": []}
+
+    def probed(heavy: bool) -> None:
+        """The instrumented step; keeps its own `time_probes` (s spent in the probes' code:
+        readings, drift forwards, tax) — a within-step share, robust to a loaded machine."""
+        acc = StepMetrics()
+        optimizer_step(L, cfg, ro, adv, rows, acc, heavy, [], Dist())
+        phase["heavy" if heavy else "cheap"].append(acc.times.get("time_probes", 0.0))
+
     tiers = {
         "bare": lambda: bare_step(L, ro, adv),
         "loop": lambda: optimizer_step(L, off, ro, adv, rows, StepMetrics(), False, [], Dist()),
-        "cheap": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist()),
+        "cheap": lambda: probed(False),
         "traced": lambda: traced_step(L, cfg, ro, adv, rows, tracer),
-        "heavy": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), True, [], Dist()),
+        "heavy": lambda: probed(True),
     }
     times: dict[str, list[float]] = {k: [] for k in tiers}
     cpu: dict[str, list[float]] = {k: [] for k in tiers}
@@ -105,6 +114,7 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
     # single-threaded step costs however contended the machine is) under "cpu_<tier>"
     out = {k: statistics.median(v) for k, v in times.items()}
     out.update({f"cpu_{k}": statistics.median(v) for k, v in cpu.items()})
+    out.update({f"probes_phase_{k}": statistics.median(v[1:]) for k, v in phase.items()})
     return out
 
 

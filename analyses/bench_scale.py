@@ -216,6 +216,9 @@ def probes_table(a: argparse.Namespace) -> dict:
               f"{t[p + 'heavy']:.2f} | {t[p + 'loop'] / b:.2f}× | {t[p + 'cheap'] / b:.2f}× | "
               f"{t[p + 'traced'] / b:.2f}× | {t[p + 'heavy'] / b:.2f}× | "
               f"{t[p + 'cheap'] / t[p + 'loop']:.2f}× |")
+    pc, ph = t["probes_phase_cheap"], t["probes_phase_heavy"]
+    print(f"\nprobes' own code inside the step (time_probes, wall): cheap {pc:.2f} s = "
+          f"{pc / t['cheap']:.1%} of its step; heavy {ph:.2f} s = {ph / t['heavy']:.1%}")
     print(f"\nall medians (s): {json.dumps({k: round(v, 3) for k, v in t.items()})}")
     return t
 
