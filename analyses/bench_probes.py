@@ -114,6 +114,7 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
     # single-threaded step costs however contended the machine is) under "cpu_<tier>"
     out = {k: statistics.median(v) for k, v in times.items()}
     out.update({f"cpu_{k}": statistics.median(v) for k, v in cpu.items()})
+    out.update({f"min_{k}": min(v) for k, v in times.items()})  # least-disturbed repeat
     out.update({f"probes_phase_{k}": statistics.median(v[1:]) for k, v in phase.items()})
     return out
 

@@ -210,7 +210,7 @@ def probes_table(a: argparse.Namespace) -> dict:
     print("| clock | bare (s) | loop, no probes (s) | cheap (s) | heavy (s) | loop / bare | "
           "cheap / bare | traced / bare | heavy / bare | cheap / loop |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for clock, p in (("CPU time", "cpu_"), ("wall", "")):
+    for clock, p in (("CPU time, median", "cpu_"), ("wall, median", ""), ("wall, min", "min_")):
         b = t[p + "bare"]
         print(f"| {clock} | {b:.2f} | {t[p + 'loop']:.2f} | {t[p + 'cheap']:.2f} | "
               f"{t[p + 'heavy']:.2f} | {t[p + 'loop'] / b:.2f}× | {t[p + 'cheap'] / b:.2f}× | "
