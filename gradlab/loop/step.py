@@ -12,8 +12,8 @@ import torch
 
 from ..core import objectives
 from ..core.batch import TokenBatch
-from ..probes import ModulationProbe, layer_groups, measure_step, shared_drift
-from ..probes.drift import divergent_dlogp
+from ..probes import ModulationProbe, layer_groups, measure_step
+from ..probes.drift import divergent_dlogp, drift_sums, node_terms
 from ..probes.tax import reduce_tax, residual_grad_outputs, tax_grads, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
@@ -194,11 +194,21 @@ def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn) ->
     """(N, V) next-token log-probs (nats, at `cfg.temperature`) at the N full-group nodes of
     `sn`: one representative row per group, truncated after the last shared position, in
     chunks of `micro_batch` rows. Full distributions are only ever held at node positions."""
+    out = None
+    for sel, lp in _node_chunks(model, cfg, ro, rows, sn):
+        out = lp.new_empty(sn.n, lp.shape[-1]) if out is None else out
+        out[sel] = lp
+    return out
+
+
+@torch.no_grad()
+def _node_chunks(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn):
+    """Yields (sel (N,) bool, (|sel|, V) log-probs at those nodes), one micro-batch of
+    representative rows at a time (see `node_logprobs`)."""
     reps = torch.unique(sn.rep)  # (R,) local rows
     which = torch.searchsorted(reps, sn.rep)  # (N,) index into reps
     t_max = int(sn.position.max()) + 1
     size = cfg.micro_batch or reps.numel()
-    out = None
     for c in _chunks(reps.numel(), cfg):
         r = rows[reps[c: c + size]]
         with amp_context(cfg):
@@ -206,10 +216,8 @@ def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn) ->
                                 ro.response_ids[r, :t_max], ro.response_mask[r, :t_max],
                                 cfg.temperature, return_logprobs=True)
         sel = (which >= c) & (which < c + size)
-        out = lp.new_empty(sn.n, lp.shape[-1]) if out is None else out
-        out[sel] = lp[which[sel] - c, sn.position[sel]]
+        yield sel, lp[which[sel] - c, sn.position[sel]]
         del lp
-    return out
 
 
 @torch.no_grad()
@@ -228,8 +236,11 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
     computes it for callers that hold both distributions).
     """
     raw = unwrap(L.model)
-    if before is not None:
-        acc.add_drift(shared_drift(before, node_logprobs(raw, cfg, ro, rows, sn), sn.token))
+    if before is not None:  # π_after per micro-batch of nodes, reduced at once: never (N, V)
+        dlogp, kl = before.new_zeros(sn.n), before.new_zeros(sn.n)
+        for sel, after in _node_chunks(raw, cfg, ro, rows, sn):
+            dlogp[sel], kl[sel] = node_terms(before[sel], after, sn.token[sel])
+        acc.add_drift(drift_sums(dlogp, kl))
     if not heavy:
         return
     after = torch.zeros_like(batch.logps)

@@ -92,24 +92,36 @@ def divergent_dlogp(logps_before: Tensor, logps_after: Tensor, batch: TokenBatch
 KL_BUDGET = 1 << 24  # float32 entries per KL chunk (64 MiB): rows = KL_BUDGET // V
 
 
-def shared_drift(logp_before: Tensor, logp_after: Tensor, token: Tensor,
-                 rows: int | None = None) -> dict[str, Tensor]:
-    """The node part of `node_drift` from the (N, V) distributions at the N nodes' contexts
-    and their shared tokens (N,): node_dlogp_sum, node_kl_sum, node_count (0-dim tensors).
+def node_terms(logp_before: Tensor, logp_after: Tensor, token: Tensor,
+               rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per node: (n,) Δ log π of its shared token (after − before) and (n,) KL(before ‖ after),
+    from the (n, V) distributions at the nodes' contexts and the tokens (n,).
 
-    The per-node KL is taken `rows` nodes at a time (default KL_BUDGET // V), so its (rows, V)
-    temporaries (exp, difference, product) never reach N × V: with a 512-row step of 64 groups
-    and V = 151,936 three full (N, V) temporaries were ~0.5 GB. Each node's KL is the same
-    row reduction as in one pass, and the (N,) KLs are summed once, so the figure is unchanged.
+    The KL is taken `rows` nodes at a time (default KL_BUDGET // V), so its (rows, V)
+    temporaries (exp, difference, product) never reach n × V: with a 512-row step of 64 groups
+    and V = 151,936 three full (n, V) temporaries were ~0.5 GB. Each node's KL is the same row
+    reduction as in one pass, so the values are unchanged.
     """
     tok = token.long().unsqueeze(-1)
     dlogp = (logp_after.gather(-1, tok) - logp_before.gather(-1, tok)).squeeze(-1)
     n, V = logp_before.shape[0], logp_before.shape[-1]
     step = rows or max(1, KL_BUDGET // max(V, 1))
     kl = [kl_rows(logp_before[s: s + step], logp_after[s: s + step]) for s in range(0, n, step)]
-    kl_sum = torch.cat(kl).sum() if kl else kl_rows(logp_before, logp_after).sum()
-    return {"node_dlogp_sum": dlogp.sum(), "node_kl_sum": kl_sum,
-            "node_count": torch.tensor(token.numel())}
+    return dlogp, (torch.cat(kl) if kl else kl_rows(logp_before, logp_after))
+
+
+def drift_sums(dlogp: Tensor, kl: Tensor) -> dict[str, Tensor]:
+    """node_dlogp_sum, node_kl_sum, node_count (0-dim tensors) of the (N,) per-node terms."""
+    return {"node_dlogp_sum": dlogp.sum(), "node_kl_sum": kl.sum(),
+            "node_count": torch.tensor(dlogp.numel())}
+
+
+def shared_drift(logp_before: Tensor, logp_after: Tensor, token: Tensor,
+                 rows: int | None = None) -> dict[str, Tensor]:
+    """The node part of `node_drift` from the (N, V) distributions at the N nodes' contexts
+    and their shared tokens (N,): node_dlogp_sum, node_kl_sum, node_count (0-dim tensors).
+    The KL runs `rows` nodes at a time (`node_terms`); the (N,) terms are summed once."""
+    return drift_sums(*node_terms(logp_before, logp_after, token, rows))
 
 
 def equal_solution_logodds(logp_a: Tensor, logp_b: Tensor) -> tuple[Tensor, Tensor]:
