@@ -155,17 +155,15 @@ def validate(c: RunConfig) -> None:
 
 
 def _refuse_fsdp(c: RunConfig) -> None:
-    """--fsdp is refused for now, with the reason (README "Real-scale loop").
-
-    FSDP2's `fully_shard` itself runs on CPU/gloo in torch 2.13 (a sharded tiny Qwen3's
-    gradients match across 2 gloo ranks), but every forward of a sharded model is a collective:
-    the loop's early-stopping sampling, per-rank micro-batch counts and probes on each rank's
-    own nodes issue different numbers of forwards per rank and would deadlock.
+    """What --fsdp (FSDP2 under torchrun, loop/fsdp.py) does not support, with the reason
+    (README "Real-scale loop"). --fsdp without torchrun is refused when the run starts
+    (loop/dist.py `setup`): only the launch knows the number of ranks.
     """
-    if not c.device.startswith("cuda"):
-        raise ConfigError(f"--fsdp: not supported on device {c.device!r}: sharding the loop's "
-                          "policy needs CUDA ranks under torchrun (use DDP on CPU: torchrun "
-                          "without --fsdp)")
-    raise ConfigError(f"--fsdp: not implemented yet on {c.device!r}: the loop's sampling and "
-                      "probes are not lock-step across ranks (see README, Real-scale loop); "
-                      "use DDP (torchrun without --fsdp)")
+    if c.probes and c.tax_every:
+        raise ConfigError(f"--fsdp: the learning tax (--tax-every {c.tax_every}) is not supported "
+                          "with a sharded policy (its extra backward over each rank's own nodes "
+                          "would need a per-rank number of collectives); use --tax-every 0")
+    if c.on_nonfinite == "skip":
+        raise ConfigError("--fsdp: --on-nonfinite skip is not supported (each rank checks only "
+                          "its own shard, so ranks could disagree on skipping); use "
+                          "--on-nonfinite stop")

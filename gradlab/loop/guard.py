@@ -27,10 +27,14 @@ class NonFiniteError(RuntimeError):
 
 
 def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """max |x| over all tensors (NaN when any element is NaN), one device tensor, no sync."""
-    if not tensors:
+    """max |x| over all tensors (NaN when any element is NaN), one device tensor, no sync.
+    FSDP's sharded tensors: this rank's shard (a collective-free check; under --fsdp a rank
+    whose shard is non-finite stops the run, and torchrun ends the others)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    local = [t for t in local if t.numel()]
+    if not local:
         return torch.zeros(())
-    return torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
+    return torch.stack([t.detach().abs().amax().float() for t in local]).amax()
 
 
 def _where(L) -> str:
