@@ -159,10 +159,6 @@ def _refuse_fsdp(c: RunConfig) -> None:
     (README "Real-scale loop"). --fsdp without torchrun is refused when the run starts
     (loop/dist.py `setup`): only the launch knows the number of ranks.
     """
-    if c.probes and c.tax_every:
-        raise ConfigError(f"--fsdp: the learning tax (--tax-every {c.tax_every}) is not supported "
-                          "with a sharded policy (its extra backward over each rank's own nodes "
-                          "would need a per-rank number of collectives); use --tax-every 0")
     if c.on_nonfinite == "skip":
         raise ConfigError("--fsdp: --on-nonfinite skip is not supported (each rank checks only "
                           "its own shard, so ranks could disagree on skipping); use "

@@ -13,10 +13,11 @@ lock-step in two ways:
   (the maximum over ranks; a rank with fewer groups pads with passes on one row whose loss is
   multiplied by 0). FSDP reduce-scatters each backward's gradients, averaged over ranks;
   `Dist.fix_grads` multiplies by N, as under DDP, so the update is the single-process update.
-- forwards whose number differs per rank (sampling with early stopping, the drift probes on
-  each rank's own nodes, the probe set, held-out evaluation): `gathered` all-gathers every unit
-  once, at a point all ranks reach together, runs the local forwards on the full weights
-  without further communication, then frees them. Sampling and probes therefore hold the full
+- forwards whose number differs per rank (sampling with early stopping, the drift probes and
+  learning tax on each rank's own nodes, the probe set, held-out evaluation): `gathered`
+  all-gathers every unit once, at a point all ranks reach together, runs the local forwards
+  (and the tax's `autograd.grad`) on the full weights without further communication, then
+  frees them. Sampling and probes therefore hold the full
   parameters (not gradients or optimizer state) for their duration, as verl's rollout does.
 
 Checkpoints are gathered to full tensors (rank 0 writes them), in the format of one process:
@@ -65,28 +66,61 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module) -> Iterator[None]:
-    """Full parameters on every rank for a block of local, gradient-free forwards.
+def gathered(model: torch.nn.Module, grad: bool = False) -> Iterator[None]:
+    """Full parameters on every rank for a block of local forwards (and, with grad=True,
+    `torch.autograd.grad` calls: the learning tax).
 
     One all-gather per unit on entry (a collective: every rank must enter together), none
-    inside, however many forwards each rank runs; the full weights are freed on exit. A model
-    that is not sharded: only `torch.no_grad()`.
+    inside, however many forwards each rank runs: units do not reshard after forward or
+    backward and do not reduce-scatter gradients (autograd.grad leaves `.grad` alone anyway).
+    The full weights are freed on exit. Without grad the block runs under `torch.no_grad()`.
+    A model that is not sharded: only the grad mode.
     """
+    mode = torch.enable_grad() if grad else torch.no_grad()
     if not is_sharded(model):
-        with torch.no_grad():
+        with mode:
             yield
         return
     mods = _fsdp_modules(model)
-    model.set_reshard_after_forward(False)  # keep the gathered weights across forwards
+    _local_mode(model, True)
     for m in mods:
         m.unshard()
     try:
-        with torch.no_grad():
+        with mode:
             yield
     finally:
         for m in mods:
             m.reshard()
-        model.set_reshard_after_forward(True)
+        _local_mode(model, False)
+
+
+def _local_mode(model, on: bool) -> None:
+    """Keep gathered weights across forwards and backwards, no gradient reduction (on), or
+    the training defaults (off)."""
+    model.set_reshard_after_forward(not on)
+    model.set_reshard_after_backward(not on)
+    model.set_requires_gradient_sync(not on)
+
+
+class _Grad:
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+class FullGrads:
+    """`named_parameters()` whose `.grad` are the full (all-gathered) gradients of a sharded
+    model, for `reduce_tax`'s ‖g_tax‖ / ‖g‖; every rank must build it (a collective per
+    parameter). Holds one full gradient per rank while the heavy step's tax is reported."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.items = []
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if p.grad is not None else torch.zeros(
+                p.shape, dtype=p.dtype, device=p.device)
+            self.items.append((n, _Grad(g)))
+
+    def named_parameters(self):
+        return iter(self.items)
 
 
 def rebuild_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -17,7 +17,7 @@ from ..probes.drift import divergent_dlogp
 from ..probes.tax import reduce_tax, residual_grad_outputs, tax_grads, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
-from .fsdp import gathered, is_sharded
+from .fsdp import FullGrads, gathered, is_sharded
 from .guard import admit
 from .logprobs import token_logps
 from .metrics import StepMetrics
@@ -95,12 +95,13 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
         sn = readings.prefix_nodes
     record_trace(L, ro, rows, batch, W)  # token traces (loop/traces.py), on traced steps
     D.fix_grads(L.model)
-    if cfg.probes and heavy:
-        tax = tax_step(L, cfg, ro, rows, batch, W, sn)
-        acc.add_tax(reduce_tax(tax, unwrap(L.model), D) if D.enabled else tax)
-    drift = cfg.probes and cfg.drift
-    with _local_forwards(L, drift):  # under FSDP: full weights for the rank's own forwards
+    taxed, drift = cfg.probes and heavy, cfg.probes and cfg.drift
+    grads = _grads_for_tax(L, taxed)
+    with _local_forwards(L, taxed or drift, grad=taxed):  # FSDP: full weights, rank's own passes
+        tax = tax_step(L, cfg, ro, rows, batch, W, sn) if taxed else None
         before = node_logprobs(unwrap(L.model), cfg, ro, rows, sn) if drift and sn.n else None
+    if tax is not None:
+        acc.add_tax(reduce_tax(tax, grads, D) if D.enabled else tax)
     acc.time("probes", t1)
     t2 = time.perf_counter()
     acc.add_scalar("grad_norm", _clip(L, cfg))
@@ -114,11 +115,17 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
         acc.time("probes", t3)
 
 
-def _local_forwards(L, on: bool):
+def _local_forwards(L, on: bool, grad: bool = False):
     """Under FSDP, a block of forwards whose number differs per rank runs on gathered full
     weights (`gradlab.loop.fsdp.gathered`: one all-gather that every rank joins, so `on` must
     be the same on all ranks); otherwise nothing."""
-    return gathered(L.model) if on and is_sharded(L.model) else contextlib.nullcontext()
+    return gathered(L.model, grad) if on and is_sharded(L.model) else contextlib.nullcontext()
+
+
+def _grads_for_tax(L, taxed: bool):
+    """What `reduce_tax` reads the step's gradient from: the model, or under FSDP its
+    gradients all-gathered (`FullGrads`, a collective every rank joins when `taxed`)."""
+    return FullGrads(L.model) if taxed and is_sharded(L.model) else unwrap(L.model)
 
 
 def _clip(L, cfg: RunConfig) -> torch.Tensor:
@@ -293,13 +300,15 @@ def _idle_step(L, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,
     for _ in range(max(passes, 1)):
         _zero_pass(L, cfg, ro)
     D.fix_grads(L.model)
-    drift = cfg.probes and cfg.drift and is_sharded(L.model)
-    with _local_forwards(L, drift):  # the busy ranks' `node_logprobs` before the step
+    taxed, drift = cfg.probes and heavy, cfg.probes and cfg.drift
+    grads = _grads_for_tax(L, taxed)
+    with _local_forwards(L, taxed or drift, grad=taxed):  # the busy ranks' tax and node passes
         pass
-    if cfg.probes and heavy:
-        raw = unwrap(L.model)
-        zero = {n: torch.zeros_like(p) for n, p in raw.named_parameters()}
-        acc.add_tax(reduce_tax({"g_tax": zero}, raw, D))  # joins the ranks' g_tax sum
+    if taxed:
+        dev = ro.group.device  # full shapes (a sharded parameter's .shape is the full one)
+        zero = {n: torch.zeros(p.shape, dtype=p.dtype, device=dev)
+                for n, p in unwrap(L.model).named_parameters()}
+        acc.add_tax(reduce_tax({"g_tax": zero}, grads, D))  # joins the ranks' g_tax sum
     acc.add_scalar("loss", 0.0)
     acc.add_scalar("grad_norm", _clip(L, cfg))
     L.opt.step()
