@@ -3,10 +3,11 @@ batch: same weights, optimizer state and metrics, resume included; what stays re
 
 Tolerances: the sharded run sums gradients in another order (each rank's backward, then a
 reduce-scatter) than one process's single backward, so float32 results differ by rounding:
-measured ≤ 3e-7 relative on the weights and ≤ 4e-6 on AdamW's moments after 2-3 steps
-(`python -m pytest tests/test_fsdp.py`). Weights are held to 1e-5 and moments to 1e-4 relative
-(of each tensor's max); metrics to rtol 1e-3 with the absolute floors of tests/test_ddp.py —
-rounding noise in KL/drift values of ~1e-5 nats is amplified by their cancellation.
+measured ≤ 3e-7 relative on the weights and ≤ 2e-5 on AdamW's moments after 2 steps (ARGS,
+`torchrun --nproc_per_node=2 -m gradlab tandem ... --fsdp` against one process). Weights are
+held to 1e-5 and moments to 1e-4 relative (of each tensor's max); metrics to rtol 1e-3 with the
+absolute floors of tests/test_ddp.py — rounding noise in KL/drift values of ~1e-5 nats is
+amplified by their cancellation.
 """
 
 import os
