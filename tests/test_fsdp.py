@@ -1,5 +1,6 @@
 """torchrun + FSDP2 (`--fsdp`, gloo, 2 CPU processes) against one process on the same global
-batch: same weights, optimizer state and metrics, resume included; what stays refused.
+batch: same weights, optimizer state and metrics, resume, learning tax and --on-nonfinite skip
+included; --fsdp without torchrun is refused.
 
 Tolerances: the sharded run sums gradients in another order (each rank's backward, then a
 reduce-scatter) than one process's single backward, so float32 results differ by rounding:
@@ -21,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 import gradlab
-from gradlab.loop.config import ConfigError, RunConfig
+from gradlab.loop.config import RunConfig
+from gradlab.loop.policy import load_policy
 from gradlab.loop.step import minibatches
 
 OBJS = ("gspo", "dfpo-min")
@@ -139,10 +141,24 @@ def test_sharded_policy_holds_half_and_gathers_for_local_forwards(tmp_path):
     assert r.stdout.count("holds") == 2, r.stdout
 
 
-def test_what_fsdp_refuses_is_named():
-    with pytest.raises(ConfigError, match=r"--fsdp: --on-nonfinite skip"):
-        RunConfig(fsdp=True, on_nonfinite="skip")
-    RunConfig(fsdp=True)  # valid on CPU and CUDA
+def test_skip_under_fsdp_drops_every_bad_update_on_all_ranks(tmp_path):
+    """--lr inf --on-nonfinite skip: each rank sees non-finite values in its own shard only;
+    the ranks agree, put every update back and count it (2 optimizer steps per rollout step),
+    and the gathered checkpoint holds exactly the initial weights."""
+    out = tmp_path / "r"
+    _run([*TORCHRUN, "-m", "gradlab", "tandem", "--out", str(out), "--objectives", "gspo",
+          "--steps", "1", "--prompts", "4", "--G", "4", "--minibatches", "2", "--tax-every", "0",
+          "--probe-contexts", "4", "--eval-every", "0", "--no-progress", "--lr", "inf",
+          "--on-nonfinite", "skip", "--fsdp"])
+    assert (gradlab.load_run(out, wide=True)["nonfinite_steps"] == 2).all()
+    init, _ = load_policy(None)
+    saved = load_file(out / "checkpoints" / "gspo" / "model.safetensors")
+    for name, w in saved.items():
+        torch.testing.assert_close(w, init.state_dict()[name], rtol=0, atol=0)
+
+
+def test_fsdp_without_torchrun_is_refused_naming_the_launch():
+    RunConfig(fsdp=True, on_nonfinite="skip")  # valid options on CPU and CUDA
     r = subprocess.run([sys.executable, "-m", "gradlab", "tandem", "--fsdp", "--out", "unused"],
                        env=ENV, capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()

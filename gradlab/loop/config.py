@@ -133,8 +133,6 @@ def validate(c: RunConfig) -> None:
         if c.split_groups:
             raise ConfigError("--micro-batch needs whole groups in every optimizer step: it "
                               "cannot be combined with --split-groups")
-    if c.fsdp:
-        _refuse_fsdp(c)
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
@@ -153,13 +151,3 @@ def validate(c: RunConfig) -> None:
     if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
 
-
-def _refuse_fsdp(c: RunConfig) -> None:
-    """What --fsdp (FSDP2 under torchrun, loop/fsdp.py) does not support, with the reason
-    (README "Real-scale loop"). --fsdp without torchrun is refused when the run starts
-    (loop/dist.py `setup`): only the launch knows the number of ranks.
-    """
-    if c.on_nonfinite == "skip":
-        raise ConfigError("--fsdp: --on-nonfinite skip is not supported (each rank checks only "
-                          "its own shard, so ranks could disagree on skipping); use "
-                          "--on-nonfinite stop")

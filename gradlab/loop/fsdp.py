@@ -17,11 +17,12 @@ lock-step in two ways:
   learning tax on each rank's own nodes, the probe set, held-out evaluation): `gathered`
   all-gathers every unit once, at a point all ranks reach together, runs the local forwards
   (and the tax's `autograd.grad`) on the full weights without further communication, then
-  frees them. Sampling and probes therefore hold the full
-  parameters (not gradients or optimizer state) for their duration, as verl's rollout does.
+  frees them. Sampling and probes therefore hold the full parameters (not the optimizer
+  state) for their duration, as verl's rollout does.
 
-Checkpoints are gathered to full tensors (rank 0 writes them), in the format of one process:
-the same safetensors, resumable by one process or by N ranks with or without --fsdp.
+The non-finite guard (loop/guard.py) checks each rank's shard and the ranks take the worst
+verdict. Checkpoints are gathered to full tensors (rank 0 writes them) in one process's format:
+the same safetensors keys, AdamW state by parameter index; --resume cuts them back into shards.
 """
 
 from __future__ import annotations

@@ -299,6 +299,8 @@ def _idle_step(L, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,
     runs `passes` zero-loss passes and joins the drift probes' all-gathers with no forward."""
     for _ in range(max(passes, 1)):
         _zero_pass(L, cfg, ro)
+    if D.fsdp and not admit(L, cfg, torch.zeros((), device=ro.group.device), acc):
+        return  # under FSDP the ranks agree on a non-finite shard anywhere (loop/guard.py)
     D.fix_grads(L.model)
     taxed, drift = cfg.probes and heavy, cfg.probes and cfg.drift
     grads = _grads_for_tax(L, taxed)
