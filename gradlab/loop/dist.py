@@ -72,8 +72,9 @@ class Dist:
         return DDP(model, device_ids=None if not next(model.parameters()).is_cuda else [model.device])
 
     def fix_grads(self, model: torch.nn.Module) -> None:
-        """DDP (and FSDP's reduce-scatter) averages gradients over ranks; the per-rank losses already use global
-        normalisers (they sum to the global loss), so multiply back by the world size."""
+        """DDP (and FSDP's reduce-scatter) averages gradients over ranks; the per-rank losses
+        already use global normalisers (they sum to the global loss), so multiply back by the
+        world size."""
         if self.enabled:
             for p in model.parameters():
                 if p.grad is not None:
