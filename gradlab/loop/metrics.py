@@ -16,6 +16,8 @@ from torch import Tensor
 
 from ..core.batch import TokenBatch
 
+TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
+
 
 class StepMetrics:
     """Accumulator for one rollout step of one learner."""
@@ -36,12 +38,17 @@ class StepMetrics:
         self.means[name].append(v.detach() if torch.is_tensor(v) else v)
 
     def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
-        """What any trainer logs: loss, clip figures, token entropy."""
-        self.sums["n_tokens"].append(batch.mask.sum())
+        """What any trainer logs: loss, clip figures, token entropy.
+
+        stats: the objective's per-token means over `batch.mask` (clip_frac, ratio_mean), kept
+        as token sums (mean × the step's token count) so that `finish` divides the sum over all
+        optimizer steps and ranks by their token count: the value one process computes."""
+        n = batch.mask.sum()
+        self.sums["n_tokens"].append(n)
         self.sums["entropy_sum"].append((ent * batch.mask).sum())
         self.add_scalar("loss", loss)
         for k, v in stats.items():
-            self.add_scalar(k, v)
+            self.sums[f"{TOKSUM}{k}"].append(v.detach().double() * n)
 
     def record(self, r) -> None:
         """A `gradlab.probes.StepReadings` of one optimizer step: sums add, maxima max."""
@@ -147,6 +154,12 @@ def _ratios(s: dict) -> dict:
                   "zero_std_groups"):
             out.pop(k)
     n = s.get("n_tokens", 0)
+    for key in [k for k in s if k.startswith(TOKSUM)]:  # clip_frac, ratio_mean: token means
+        out[key[len(TOKSUM):]] = div(out.pop(key), n)
+    # attribution shares: Σ(res − res_off) / Σ res over the step's nodes (a residual-weighted
+    # mean, so on-policy steps whose residual is float noise weigh ~0)
+    for key in [k for k in s if k.startswith("attr_") and k.endswith("_sum")]:
+        out[key[: -len("_sum")]] = div(out.pop(key), s["attr_residual"])
     for kind in ("prefix", "trie"):
         if f"n_shared_{kind}" in s:
             out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)
