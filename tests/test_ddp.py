@@ -45,10 +45,13 @@ def _same_store(wa, wb) -> None:
     assert {"clip_frac", "ratio_mean", "attr_clip", "attr_coupling", "rho_prefix"} <= set(cols)
     real = wa["attr_residual"].to_numpy() > 1e-6
     assert real.any()  # an attribution of a real residual is compared
+    bad = {}
     for c in cols:
         rows = real if c.startswith("attr_") and c != "attr_residual" else slice(None)
-        np.testing.assert_allclose(wb[c].to_numpy()[rows], wa[c].to_numpy()[rows], rtol=1e-4,
-                                   atol=1e-6, err_msg=c)
+        a, b = wa[c].to_numpy()[rows], wb[c].to_numpy()[rows]
+        if not np.allclose(b, a, rtol=1e-4, atol=1e-6, equal_nan=True):
+            bad[c] = (a.tolist(), b.tolist())
+    assert not bad, "\n".join(f"{c}: one process {a}, two ranks {b}" for c, (a, b) in bad.items())
 
 
 def test_two_ranks_equal_one_process(tmp_path):
