@@ -69,8 +69,14 @@ def _same_metrics(a_dir: Path, b_dir: Path) -> None:
                    ("probe_kl", 1e-6), ("drift_node_kl_mean", 1e-7),
                    ("drift_node_dlogp_mean", 1e-6), ("grad_norm", 1e-5), ("loss", 1e-6),
                    ("entropy", 1e-6), ("w_max", 1e-6), ("logodds", 1e-5),
-                   ("tax_share", 1e-6), ("tax_norm", 1e-9), ("drift_div_pos_dlogp_mean", 1e-6)]:
+                   ("tax_share", 1e-6), ("tax_norm", 1e-9), ("drift_div_pos_dlogp_mean", 1e-6),
+                   ("clip_frac", 1e-6), ("ratio_mean", 1e-6), ("attr_residual", 1e-9)]:
         np.testing.assert_allclose(wa[m], wb[m], rtol=1e-3, atol=tol, err_msg=m)
+    # attribution shares are ratios to attr_residual: compared where it is not float noise
+    real = wa["attr_residual"].to_numpy() > 1e-6
+    assert real.any()
+    for m in ("attr_clip", "attr_coupling"):
+        np.testing.assert_allclose(wa[m][real], wb[m][real], rtol=1e-3, atol=1e-6, err_msg=m)
     assert (wa["rho_prefix"][wa["objective"] == "gspo"] > 1e-3).any()  # a real residual compared
 
 
@@ -84,22 +90,17 @@ def test_the_layout_has_idle_ranks_and_uneven_passes():
     assert 1 in sizes and 2 in sizes, owners
 
 
-def test_two_sharded_ranks_resumed_equal_one_process_and_ddp(one, tmp_path):
+def test_two_sharded_ranks_resumed_equal_one_process(one, tmp_path):
     """1 rollout step sharded, then --resume to 2 (the gathered checkpoint, weights and AdamW
-    state, is cut back into shards): weights, AdamW state and metrics, the learning tax
-    included, as one uninterrupted process; the metrics DDP itself reduces differently from
-    one process (means over optimizer steps that count a rank's idle steps: clip_frac,
-    ratio_mean, attribution shares) as DDP."""
-    two, ddp = tmp_path / "two", tmp_path / "ddp"
+    state, is cut back into shards): weights, AdamW state and metrics, the learning tax and the
+    ratios the ranks reduce from numerators and denominators (clip_frac, ratio_mean,
+    attribution shares) included, as one uninterrupted process."""
+    two = tmp_path / "two"
     for steps, extra in (("1", ()), ("2", ("--resume",))):
         _run([*TORCHRUN, "-m", "gradlab", "tandem", "--out", str(two), "--steps", steps, *ARGS,
               "--fsdp", *extra])
     _same_checkpoints(one, two)
     _same_metrics(one, two)
-    _run([*TORCHRUN, "-m", "gradlab", "tandem", "--out", str(ddp), "--steps", "2", *ARGS])
-    wa, wb = gradlab.load_run(ddp, wide=True), gradlab.load_run(two, wide=True)
-    for m in ("clip_frac", "ratio_mean", "attr_clip", "attr_coupling"):
-        np.testing.assert_allclose(wa[m], wb[m], rtol=1e-3, atol=1e-6, err_msg=m)
 
 
 WORKER = r"""
