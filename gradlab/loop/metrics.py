@@ -3,6 +3,15 @@
 `StepMetrics` only records what the step and the probes hand it: over the optimizer steps of
 one rollout batch it keeps sums and counts (never averages of ratios), so ρ = Σ residual /
 Σ mass over all the steps' nodes, and combines data-parallel ranks in `finish`.
+
+A ratio is a sum over all optimizer steps and ranks divided by another, so data-parallel ranks
+report what one process computes on the whole batch (tests/test_ddp.py holds every metric to it):
+clip_frac and ratio_mean are token means over the rollout step's response tokens (Σ clipped /
+Σ tokens, Σ r / Σ tokens); attr_<mechanism> = Σ(res − res_off) / Σ res over the tax steps'
+full-group nodes (a residual-weighted mean: on-policy steps whose residual is float noise weigh
+~0), attr_residual = Σ res. One exception, by definition: the "length" counterfactual of
+attr_length sets T_i to the mean length of the rows the objective sees — under DDP a rank's own
+rows — so attr_length is per rank there (`gradlab.core.objectives._lengths`).
 """
 
 from __future__ import annotations
@@ -74,8 +83,9 @@ class StepMetrics:
 
     def finish(self) -> dict:
         """One host sync: reduce everything to floats, then combine data-parallel ranks:
-        sums and counts add, maxima max, per-step scalars pool over all ranks' optimizer steps
-        (the loss adds: each rank's part of a global minibatch loss is a share of it)."""
+        sums and counts add, maxima max, then ratios of the totals (`_ratios`). Per-step
+        scalars (grad_norm, tax_*: the same on every rank) pool over all ranks' optimizer
+        steps; the loss adds (each rank's part of a global minibatch loss is a share of it)."""
         def f64(v):
             return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
 
