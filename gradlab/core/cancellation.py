@@ -116,10 +116,19 @@ def attribution(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str
     batch, not of the objective: it is measured by the loop (share of split groups).
     """
 
+    s = attribution_sums(objective, batch, nodes)
+    res = s["residual"]
+    return {"residual": res, **{m: s[m] / res if res > 0 else 0.0 for m in MECHANISMS}}
+
+
+def attribution_sums(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str, float]:
+    """The parts of `attribution` before dividing: "residual" Σ|d| and, per mechanism,
+    res − res_off. Both add over disjoint sets of groups (data-parallel ranks, optimizer
+    steps), so shares pooled over them are Σ(res − res_off) / Σ res."""
     sn = shared_nodes(batch, nodes)
     res = cancellation(objective.modulation(batch), batch, sn=sn).residual
     out = {"residual": res}
     for mech in MECHANISMS:
         r_off = cancellation(objective.modulation(batch, off=(mech,)), batch, sn=sn).residual
-        out[mech] = (res - r_off) / res if res > 0 else 0.0
+        out[mech] = res - r_off
     return out

@@ -133,8 +133,6 @@ def validate(c: RunConfig) -> None:
         if c.split_groups:
             raise ConfigError("--micro-batch needs whole groups in every optimizer step: it "
                               "cannot be combined with --split-groups")
-    if c.fsdp:
-        _refuse_fsdp(c)
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
@@ -153,19 +151,3 @@ def validate(c: RunConfig) -> None:
     if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
 
-
-def _refuse_fsdp(c: RunConfig) -> None:
-    """--fsdp is refused for now, with the reason (README "Real-scale loop").
-
-    FSDP2's `fully_shard` itself runs on CPU/gloo in torch 2.13 (a sharded tiny Qwen3's
-    gradients match across 2 gloo ranks), but every forward of a sharded model is a collective:
-    the loop's early-stopping sampling, per-rank micro-batch counts and probes on each rank's
-    own nodes issue different numbers of forwards per rank and would deadlock.
-    """
-    if not c.device.startswith("cuda"):
-        raise ConfigError(f"--fsdp: not supported on device {c.device!r}: sharding the loop's "
-                          "policy needs CUDA ranks under torchrun (use DDP on CPU: torchrun "
-                          "without --fsdp)")
-    raise ConfigError(f"--fsdp: not implemented yet on {c.device!r}: the loop's sampling and "
-                      "probes are not lock-step across ranks (see README, Real-scale loop); "
-                      "use DDP (torchrun without --fsdp)")

@@ -7,7 +7,8 @@ group stays whole on one rank); rollouts, rewards and advantages are per rank. W
 gradients by DDP (then scaled so the update equals the single-process update on the global
 batch, see `Dist.fix_grads`), the loss normalisers' totals (sequences, tokens, width) before
 each loss, and the metrics as sums, counts and maxima (never averages of ratios). Rank 0 alone
-writes the run store and checkpoints.
+writes the run store and checkpoints. With --fsdp the policy is sharded with FSDP2 instead of
+replicated (gradlab.loop.fsdp); layout and reductions stay these.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
 
 @dataclass
 class Dist:
     rank: int = 0
     world: int = 1
+    fsdp: bool = False  # shard the policy with FSDP2 (loop/fsdp.py) instead of DDP
 
     @property
     def enabled(self) -> bool:
@@ -59,13 +63,18 @@ class Dist:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.enabled:
             return model
+        if self.fsdp:
+            from .fsdp import shard
+
+            return shard(model)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=None if not next(model.parameters()).is_cuda else [model.device])
 
     def fix_grads(self, model: torch.nn.Module) -> None:
-        """DDP averages gradients over ranks; the per-rank losses already use global
-        normalisers (they sum to the global loss), so multiply back by the world size."""
+        """DDP (and FSDP's reduce-scatter) averages gradients over ranks; the per-rank losses
+        already use global normalisers (they sum to the global loss), so multiply back by the
+        world size."""
         if self.enabled:
             for p in model.parameters():
                 if p.grad is not None:
@@ -84,10 +93,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def setup(device: str) -> Dist:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); else one process."""
+def setup(device: str, fsdp: bool = False) -> Dist:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); else one process.
+    fsdp: shard the policy (needs WORLD_SIZE ≥ 2: one process has nothing to shard across)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
+        if fsdp:
+            raise ConfigError("--fsdp: shards the policy across torchrun ranks; launch with "
+                              "torchrun --nproc_per_node=N (N ≥ 2), or drop --fsdp for one process")
         return Dist()
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -95,4 +108,4 @@ def setup(device: str) -> Dist:
     rank = dist.get_rank()
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    return Dist(rank=rank, world=dist.get_world_size())
+    return Dist(rank=rank, world=dist.get_world_size(), fsdp=fsdp)

@@ -27,10 +27,13 @@ class NonFiniteError(RuntimeError):
 
 
 def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """max |x| over all tensors (NaN when any element is NaN), one device tensor, no sync."""
-    if not tensors:
+    """max |x| over all tensors (NaN when any element is NaN), one device tensor, no sync.
+    FSDP's sharded tensors: this rank's shard (the ranks' verdicts are combined by `_agree`)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    local = [t for t in local if t.numel()]
+    if not local:
         return torch.zeros(())
-    return torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
+    return torch.stack([t.detach().abs().amax().float() for t in local]).amax()
 
 
 def _where(L) -> str:
@@ -45,8 +48,8 @@ def admit(L, cfg, loss: torch.Tensor, acc) -> bool:
     """
     _install(L, cfg, acc)
     grads = [p.grad for p in L.model.parameters() if p.grad is not None]
-    ok_loss, ok_grad = torch.stack([torch.isfinite(loss.detach().float()).all(),
-                                    torch.isfinite(_max_abs(grads).to(loss.device))]).tolist()
+    ok_loss, ok_grad = _agree(acc, torch.stack([torch.isfinite(loss.detach().float()).all(),
+                                                torch.isfinite(_max_abs(grads).to(loss.device))]))
     L._gl_acc = acc  # where the post-hook counts a skipped step
     if ok_loss and ok_grad:
         if cfg.on_nonfinite == "skip":
@@ -63,6 +66,15 @@ def admit(L, cfg, loss: torch.Tensor, acc) -> bool:
     return False
 
 
+def _agree(acc, ok: torch.Tensor) -> list[bool]:
+    """The verdicts `ok` (k,) bool as a list; under FSDP each rank checked only its own shard,
+    so every rank takes the worst verdict over ranks (a collective all ranks join)."""
+    D = getattr(acc, "D", None)
+    if getattr(D, "fsdp", False):
+        ok = D.max((~ok).float()) == 0
+    return ok.tolist()
+
+
 def _count(acc, n: int) -> None:
     """One optimizer step's count; rank 0 alone counts (every rank sees the same gradients)."""
     acc.sums["nonfinite_steps"].append(torch.tensor(float(n) if acc.D.main else 0.0))
@@ -76,7 +88,7 @@ def _install(L, cfg, acc) -> None:
 
     def after_step(opt, args, kwargs) -> None:
         params = [p for g in opt.param_groups for p in g["params"]]
-        if bool(torch.isfinite(_max_abs(params))):
+        if _agree(L._gl_acc, torch.isfinite(_max_abs(params)).reshape(1))[0]:
             L._gl_snapshot = None
             return
         if cfg.on_nonfinite == "stop":

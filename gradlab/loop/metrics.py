@@ -3,6 +3,15 @@
 `StepMetrics` only records what the step and the probes hand it: over the optimizer steps of
 one rollout batch it keeps sums and counts (never averages of ratios), so ρ = Σ residual /
 Σ mass over all the steps' nodes, and combines data-parallel ranks in `finish`.
+
+A ratio is a sum over all optimizer steps and ranks divided by another, so data-parallel ranks
+report what one process computes on the whole batch (tests/test_ddp.py holds every metric to it):
+clip_frac and ratio_mean are token means over the rollout step's response tokens (Σ clipped /
+Σ tokens, Σ r / Σ tokens); attr_<mechanism> = Σ(res − res_off) / Σ res over the tax steps'
+full-group nodes (a residual-weighted mean: on-policy steps whose residual is float noise weigh
+~0), attr_residual = Σ res. One exception, by definition: the "length" counterfactual of
+attr_length sets T_i to the mean length of the rows the objective sees — under DDP a rank's own
+rows — so attr_length is per rank there (`gradlab.core.objectives._lengths`).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
+
+TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
 
 
 class StepMetrics:
@@ -36,12 +47,17 @@ class StepMetrics:
         self.means[name].append(v.detach() if torch.is_tensor(v) else v)
 
     def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
-        """What any trainer logs: loss, clip figures, token entropy."""
-        self.sums["n_tokens"].append(batch.mask.sum())
+        """What any trainer logs: loss, clip figures, token entropy.
+
+        stats: the objective's per-token means over `batch.mask` (clip_frac, ratio_mean), kept
+        as token sums (mean × the step's token count) so that `finish` divides the sum over all
+        optimizer steps and ranks by their token count: the value one process computes."""
+        n = batch.mask.sum()
+        self.sums["n_tokens"].append(n)
         self.sums["entropy_sum"].append((ent * batch.mask).sum())
         self.add_scalar("loss", loss)
         for k, v in stats.items():
-            self.add_scalar(k, v)
+            self.sums[f"{TOKSUM}{k}"].append(v.detach().double() * n)
 
     def record(self, r) -> None:
         """A `gradlab.probes.StepReadings` of one optimizer step: sums add, maxima max."""
@@ -67,8 +83,9 @@ class StepMetrics:
 
     def finish(self) -> dict:
         """One host sync: reduce everything to floats, then combine data-parallel ranks:
-        sums and counts add, maxima max, per-step scalars pool over all ranks' optimizer steps
-        (the loss adds: each rank's part of a global minibatch loss is a share of it)."""
+        sums and counts add, maxima max, then ratios of the totals (`_ratios`). Per-step
+        scalars (grad_norm, tax_*: the same on every rank) pool over all ranks' optimizer
+        steps; the loss adds (each rank's part of a global minibatch loss is a share of it)."""
         def f64(v):
             return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
 
@@ -147,6 +164,12 @@ def _ratios(s: dict) -> dict:
                   "zero_std_groups"):
             out.pop(k)
     n = s.get("n_tokens", 0)
+    for key in [k for k in s if k.startswith(TOKSUM)]:  # clip_frac, ratio_mean: token means
+        out[key[len(TOKSUM):]] = div(out.pop(key), n)
+    # attribution shares: Σ(res − res_off) / Σ res over the step's nodes (a residual-weighted
+    # mean, so on-policy steps whose residual is float noise weigh ~0)
+    for key in [k for k in s if k.startswith("attr_") and k.endswith("_sum")]:
+        out[key[: -len("_sum")]] = div(out.pop(key), s["attr_residual"])
     for kind in ("prefix", "trie"):
         if f"n_shared_{kind}" in s:
             out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)

@@ -17,6 +17,7 @@ from ..probes.drift import divergent_dlogp, drift_sums, node_terms
 from ..probes.tax import reduce_tax, residual_grad_outputs, tax_grads, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
+from .fsdp import FullGrads, gathered, is_sharded
 from .guard import admit
 from .logprobs import token_logps
 from .metrics import StepMetrics
@@ -76,10 +77,12 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     dev = ro.group.device  # nccl reduces CUDA tensors only
     tot = D.sum(torch.tensor([rows.numel(), int(ro.response_mask[rows].sum())], device=dev))
     width = int(D.max(torch.tensor(ro.response_ids.shape[1], device=dev)))
+    passes = _lockstep_passes(cfg, ro, rows, D)
     if rows.numel() == 0:  # none of this step's groups are on this rank
-        return _idle_step(L, cfg, ro, acc, heavy, D)
+        return _idle_step(L, cfg, ro, acc, heavy, D, passes)
     t0 = time.perf_counter()
-    batch, W, ent, loss = _accumulate(L, cfg, ro, adv, rows, (int(tot[0]), int(tot[1]), width))
+    batch, W, ent, loss = _accumulate(L, cfg, ro, adv, rows, (int(tot[0]), int(tot[1]), width),
+                                      passes)
     if not admit(L, cfg, loss, acc):  # non-finite loss/gradient: stop or skip (loop/guard.py)
         return
     acc.time("update", t0)
@@ -92,32 +95,76 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
         sn = readings.prefix_nodes
     record_trace(L, ro, rows, batch, W)  # token traces (loop/traces.py), on traced steps
     D.fix_grads(L.model)
-    if cfg.probes and heavy:
-        tax = tax_step(L, cfg, ro, rows, batch, W, sn)
-        acc.add_tax(reduce_tax(tax, unwrap(L.model), D) if D.enabled else tax)
-    drift = cfg.probes and cfg.drift
-    before = node_logprobs(unwrap(L.model), cfg, ro, rows, sn) if drift and sn.n else None
+    taxed, drift = cfg.probes and heavy, cfg.probes and cfg.drift
+    grads = _grads_for_tax(L, taxed)
+    with _local_forwards(L, taxed or drift, grad=taxed):  # FSDP: full weights, rank's own passes
+        tax = tax_step(L, cfg, ro, rows, batch, W, sn) if taxed else None
+        before = node_logprobs(unwrap(L.model), cfg, ro, rows, sn) if drift and sn.n else None
+    if tax is not None:
+        acc.add_tax(reduce_tax(tax, grads, D) if D.enabled else tax)
     acc.time("probes", t1)
     t2 = time.perf_counter()
-    acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
+    acc.add_scalar("grad_norm", _clip(L, cfg))
     L.opt.step()
     L.opt.zero_grad(set_to_none=True)
     acc.time("update", t2)
     if drift:
         t3 = time.perf_counter()
-        drift_step(L, cfg, ro, rows, batch, before, sn, heavy, acc)
+        with _local_forwards(L, drift):
+            drift_step(L, cfg, ro, rows, batch, before, sn, heavy, acc)
         acc.time("probes", t3)
 
 
+def _local_forwards(L, on: bool, grad: bool = False):
+    """Under FSDP, a block of forwards whose number differs per rank runs on gathered full
+    weights (`gradlab.loop.fsdp.gathered`: one all-gather that every rank joins, so `on` must
+    be the same on all ranks); otherwise nothing."""
+    return gathered(L.model, grad) if on and is_sharded(L.model) else contextlib.nullcontext()
+
+
+def _grads_for_tax(L, taxed: bool):
+    """What `reduce_tax` reads the step's gradient from: the model, or under FSDP its
+    gradients all-gathered (`FullGrads`, a collective every rank joins when `taxed`)."""
+    return FullGrads(L.model) if taxed and is_sharded(L.model) else unwrap(L.model)
+
+
+def _clip(L, cfg: RunConfig) -> torch.Tensor:
+    """Clip the gradient norm to `cfg.grad_clip`; returns the norm before clipping (a plain
+    tensor: FSDP's sharded gradients give a replicated DTensor, made full here)."""
+    norm = torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _lockstep_passes(cfg: RunConfig, ro: Rollout, rows: torch.Tensor, D: Dist) -> int:
+    """Micro-batch forward/backward passes this rank runs in the step: its own count, or under
+    FSDP (every forward a collective) the largest count over ranks — fewer groups are padded
+    with zero-loss passes (`_zero_pass`)."""
+    n = len(micro_batches(ro.group[rows], cfg.micro_batch, cfg.G)) if rows.numel() else 0
+    if not D.fsdp:
+        return n
+    return int(D.max(torch.tensor(n, device=ro.group.device)))
+
+
+def _zero_pass(L, cfg: RunConfig, ro: Rollout) -> None:
+    """A forward/backward on one row of this rank's rollout with loss × 0: it joins the ranks'
+    gradient reduction (DDP's all-reduce, FSDP's all-gathers and reduce-scatter) and adds 0."""
+    one = torch.arange(1, device=ro.group.device)
+    with amp_context(cfg):
+        logps = token_logps(L.model, ro.prompt_ids[one], ro.prompt_mask[one], ro.response_ids[one],
+                            ro.response_mask[one], cfg.temperature)
+    (0.0 * logps.sum()).backward()
+
+
 def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.Tensor,
-                norms: tuple[int, int, int]) -> tuple[TokenBatch, torch.Tensor | None,
-                                                      torch.Tensor, torch.Tensor]:
+                norms: tuple[int, int, int], passes: int = 0) -> tuple[
+                    TokenBatch, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Forward/backward of every micro-batch of the step, gradients accumulated in `.grad`.
 
     norms: the step's (sequences, response tokens, padded width), global under DDP. Each
     micro-batch is cut after its last response token (right padding only; causal attention
     makes the earlier positions' log-probs independent of it). Under DDP every micro-batch but
-    the last runs under `no_sync`, so gradients are all-reduced once per step.
+    the last runs under `no_sync`, so gradients are all-reduced once per step. passes: under
+    FSDP the ranks' largest micro-batch count; this rank pads with zero-loss passes up to it.
     Returns (the step's TokenBatch (B, T) with detached log-probs, W (B, T) or None without
     probes, entropy (B, T), the loss: sum of the micro-batch losses = the one-pass loss).
     """
@@ -153,6 +200,8 @@ def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.T
         # the entropy's graph is not freed by the loss's backward: drop it before the next
         # micro-batch's forward, so at most one micro-batch's activations are ever alive
         del lp, e, part_loss, mb, probe
+    for _ in range(passes - len(parts)):  # FSDP lock-step: as many passes as the busiest rank
+        _zero_pass(L, cfg, ro)
     batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
                        adv[rows], ro.group[rows], n_seqs=norms[0], n_tokens=norms[1],
                        width=norms[2], validate=False)
@@ -255,19 +304,27 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
 
 
 def _idle_step(L, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,
-               D: Dist) -> None:
+               D: Dist, passes: int = 1) -> None:
     """A rank with no rows in this global step still joins DDP's gradient all-reduce (and the
-    tax reduction) with a zero contribution, then takes the same optimizer step."""
-    one = torch.arange(1, device=ro.group.device)
-    logps = token_logps(L.model, ro.prompt_ids[one], ro.prompt_mask[one], ro.response_ids[one],
-                        ro.response_mask[one], cfg.temperature)
-    (0.0 * logps.sum()).backward()
+    tax reduction) with a zero contribution, then takes the same optimizer step. Under FSDP it
+    runs `passes` zero-loss passes and joins the drift probes' all-gathers with no forward."""
+    for _ in range(max(passes, 1)):
+        _zero_pass(L, cfg, ro)
+    if D.fsdp and not admit(L, cfg, torch.zeros((), device=ro.group.device), acc):
+        return  # under FSDP the ranks agree on a non-finite shard anywhere (loop/guard.py)
     D.fix_grads(L.model)
-    if cfg.probes and heavy:
-        raw = unwrap(L.model)
-        zero = {n: torch.zeros_like(p) for n, p in raw.named_parameters()}
-        acc.add_tax(reduce_tax({"g_tax": zero}, raw, D))  # joins the ranks' g_tax sum
+    taxed, drift = cfg.probes and heavy, cfg.probes and cfg.drift
+    grads = _grads_for_tax(L, taxed)
+    with _local_forwards(L, taxed or drift, grad=taxed):  # the busy ranks' tax and node passes
+        pass
+    if taxed:
+        dev = ro.group.device  # full shapes (a sharded parameter's .shape is the full one)
+        zero = {n: torch.zeros(p.shape, dtype=p.dtype, device=dev)
+                for n, p in unwrap(L.model).named_parameters()}
+        acc.add_tax(reduce_tax({"g_tax": zero}, grads, D))  # joins the ranks' g_tax sum
     acc.add_scalar("loss", 0.0)
-    acc.add_scalar("grad_norm", torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip))
+    acc.add_scalar("grad_norm", _clip(L, cfg))
     L.opt.step()
     L.opt.zero_grad(set_to_none=True)
+    with _local_forwards(L, drift):  # the busy ranks' `drift_step` after it
+        pass

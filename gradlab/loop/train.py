@@ -24,6 +24,7 @@ from ..core import objectives
 from ..core.batch import advantages
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
+from .fsdp import full_checkpoint, gathered, rebuild_optimizer
 from .heldout import TrainSplit, eval_problems, evaluate_heldout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
@@ -78,7 +79,7 @@ def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout
     g = torch.tensor(mine, device=cfg.device).repeat_interleave(cfg.G)  # global group labels
     rows = g * cfg.G + torch.arange(cfg.G, device=cfg.device).repeat(len(mine))
     keys = (cfg.seed * 1_000_003 + step) * 1_000_003 + rows
-    with amp_context(cfg):
+    with gathered(L.model), amp_context(cfg):  # FSDP: full weights while sampling (loop/fsdp.py)
         ro = generate(unwrap(L.model), tok, [problems[i] for i in mine], cfg.G,
                       cfg.max_new_tokens or task.max_new_tokens, cfg.temperature,
                       amp=cfg.amp, task=task, row_keys=keys)
@@ -105,7 +106,8 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
     rec = acc.finish()
     t1 = time.perf_counter()
     if probes is not None:
-        rec.update(probe_metrics(unwrap(L.model), probes, cfg))
+        with gathered(L.model):
+            rec.update(probe_metrics(unwrap(L.model), probes, cfg))
     acc.time("probes", t1)
     rec.update(acc.times)
     rec.update({"step": step, "objective": L.name, "seed": cfg.seed, "tokens": L.tokens})
@@ -118,7 +120,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     Under torchrun (WORLD_SIZE > 1) every rank runs this function on its shard of the prompts
     (gradlab.loop.dist); rank 0 alone writes the store and checkpoints.
     """
-    D = setup(cfg.device)
+    D = setup(cfg.device, cfg.fsdp)
     if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"):
         raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups "
                           "and adv_scale='batch' need one process")
@@ -151,7 +153,10 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
+        plain = list(L.model.parameters())
         L.model = D.wrap(L.model)
+        if D.fsdp:  # sharding replaced the parameters: a new optimizer, same state (resume)
+            L.opt = rebuild_optimizer(L.model, L.opt, plain)
         L.tracer = tracer
     bar = tqdm(range(start, cfg.steps), desc="train", disable=not (cfg.progress and D.main),
                initial=start, total=cfg.steps)
@@ -165,9 +170,11 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
             rec["time_step"] = time.perf_counter() - t0
             if evalset and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 t1 = time.perf_counter()
-                rec.update(evaluate_heldout(unwrap(L.model), tok, task, evalset, cfg.temperature,
-                                            cfg.max_new_tokens or task.max_new_tokens, cfg.seed,
-                                            cfg.amp))
+                with gathered(L.model):
+                    rec.update(evaluate_heldout(unwrap(L.model), tok, task, evalset,
+                                                cfg.temperature,
+                                                cfg.max_new_tokens or task.max_new_tokens,
+                                                cfg.seed, cfg.amp))
                 rec["time_eval"] = time.perf_counter() - t1
             store.log(rec)
             live.log(rec)
@@ -178,8 +185,10 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
                 f" ρ={rec['rho_prefix']:.2f}" if "rho_prefix" in rec else "")
         bar.set_postfix_str(" | ".join(f"{k}: {v}" for k, v in post.items()))
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-            for L in learners:
-                store.save_checkpoint(L.name, unwrap(L.model), L.opt,
+            for L in learners:  # FSDP: full tensors gathered, one process's layout
+                m, o = (full_checkpoint(L.model, L.opt, D.main) if D.fsdp
+                        else (unwrap(L.model), L.opt))
+                store.save_checkpoint(L.name, m, o,
                                       {"step": step + 1, "tokens": L.tokens},
                                       {"gen": L.gen.get_state()})
             D.barrier()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
-from ..core.cancellation import attribution, node_coefficients
+from ..core.cancellation import attribution_sums, node_coefficients
 from ..core.nodes import SharedNodes, shared_nodes
 
 
@@ -59,6 +60,9 @@ def measure_step(obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool = F
     r.maxes["w_max"] = W.abs().max()
     for name, o in others:
         r.sums.update(residual_sums(o.modulation(batch), batch, sns, f"cf/{name}/"))
-    if heavy:
-        r.means.update({f"attr_{m}": s for m, s in attribution(obj, batch, "prefix").items()})
+    if heavy:  # sums, so that steps and data-parallel ranks add: attr_m = Σ num / Σ residual
+        att = attribution_sums(obj, batch, "prefix")
+        r.sums["attr_residual"] = torch.tensor(att.pop("residual"), dtype=torch.float64)
+        r.sums.update({f"attr_{m}_sum": torch.tensor(v, dtype=torch.float64)
+                       for m, v in att.items()})  # res − res_off
     return r
