@@ -62,7 +62,9 @@ def _same_config(c: RunConfig) -> bool:
     if not f.exists():
         return False
     old, new = RunConfig.from_json(f).to_json(), c.to_json()
-    old.pop("progress"), new.pop("progress")
+    # the folder is the same by construction; `out` may be spelled relative or absolute
+    for k in ("progress", "out"):
+        old.pop(k), new.pop(k)
     return old == new
 
 

@@ -187,3 +187,14 @@ def test_ablations_quick_scaffold(tmp_path):
     assert cfg["task"] == "scaffold"
     for label in ablations.TABLE2.values():
         assert label in (tmp_path / "ablations.md").read_text()
+
+
+def test_run_seeds_reuses_a_finished_run_whatever_the_path_spelling(tmp_path, monkeypatch):
+    """A finished seed trained under an absolute path is reused, not wiped, when the next
+    script names the same folder relatively (regression: the scaffold tables wiped Figure 3's
+    seed 0 because `out` was compared as a string)."""
+    common.run_seeds(tmp_path / "r", [0], objectives=["gspo"], **common.QUICK)
+    before = (tmp_path / "r" / "seed0" / "metrics.jsonl").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    common.run_seeds("r", [0], objectives=["gspo"], **common.QUICK)
+    assert (tmp_path / "r" / "seed0" / "metrics.jsonl").read_bytes() == before
