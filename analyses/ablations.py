@@ -24,6 +24,7 @@ ablations.json (provenance: commit, threads, command; sizes; seconds).
 
     python analyses/ablations.py            # full: 5 seeds, 150 steps × 8 prompts, G=8 (T2)
     python analyses/ablations.py --quick    # seconds: runs/ablations-quick, for tests
+    python analyses/ablations.py --task scaffold --steps 60 --seeds 5   # → figures/scaffold/
 """
 
 from __future__ import annotations
@@ -118,14 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for ablations.md/.csv/.json (default figures/; quick: runs)")
     p.add_argument("--eval-n", type=int, help="held-out problems per policy (default 256)")
     p.add_argument("--only", choices=("table2", "table3"))
+    p.add_argument("--steps", type=int, help="override the rollout steps (must match --fig3-runs)")
+    p.add_argument("--task", default="arithmetic", choices=("arithmetic", "scaffold"),
+                   help="built-in task; scaffold defaults to runs/ablations-scaffold, "
+                   "runs/figure3-scaffold and figures/scaffold/")
     a = p.parse_args(argv)
     set_threads(1)
     a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
+    if a.steps:
+        size["steps"] = a.steps
+    sfx = "" if a.task == "arithmetic" else f"-{a.task}"
+    if sfx:  # same keys as figure3.py --task, so its runs are reused (run_seeds compares configs)
+        size["task"] = a.task
     eval_n = a.eval_n or (16 if a.quick else 256)
-    runs = Path(a.runs or ROOT / ("runs/ablations-quick" if a.quick else "runs/ablations"))
-    fig3 = Path(a.fig3_runs or (runs / "figure3" if a.quick else ROOT / "runs/figure3"))
-    out = Path(a.out or (runs if a.quick else FIGURES))
+    runs = Path(a.runs or ROOT / (f"runs/ablations{sfx}-quick" if a.quick else f"runs/ablations{sfx}"))
+    fig3 = Path(a.fig3_runs or (runs / "figure3" if a.quick else ROOT / f"runs/figure3{sfx}"))
+    out = Path(a.out or (runs if a.quick else FIGURES / a.task if sfx else FIGURES))
     seeds = range(a.seeds)
     t0, prov, md, longs = time.time(), provenance("ablations.py", argv), [], []
     if a.only in (None, "table2"):

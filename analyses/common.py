@@ -62,7 +62,9 @@ def _same_config(c: RunConfig) -> bool:
     if not f.exists():
         return False
     old, new = RunConfig.from_json(f).to_json(), c.to_json()
-    old.pop("progress"), new.pop("progress")
+    # the folder is the same by construction; `out` may be spelled relative or absolute
+    for k in ("progress", "out"):
+        old.pop(k), new.pop(k)
     return old == new
 
 
@@ -171,7 +173,8 @@ def heldout(tidy: pd.DataFrame, run: Path, objective: str, eval_n: int) -> tuple
 def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5) -> pd.DataFrame:
     """One row per (seed, objective) of the runs root/seed{k}: heldout_acc (+ its source),
     train_acc_last5 (mean training accuracy of the last `last` rollout steps), the MEASURED
-    columns and opt_steps (optimizer steps taken). Accuracies in 0..1."""
+    columns and opt_steps (despite the name: rollout steps taken; each is `minibatches` optimizer
+    steps). Accuracies in 0..1."""
     tidy = load_seeds(root)
     rows = []
     for k in seeds:

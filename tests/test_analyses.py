@@ -175,3 +175,26 @@ def test_scaffold_tax_quick(tmp_path):
     assert np.array_equal(g["dfpo"].to_numpy(), g["clip"].to_numpy())
     meta = json.loads((tmp_path / "scaffold_tax.json").read_text())
     assert meta["provenance"]["threads"] == 1 and set(meta["summary"]) >= {"scaffold", "arithmetic"}
+
+
+def test_ablations_quick_scaffold(tmp_path):
+    """`--task scaffold` trains Table 2's tandems on the scaffold task (recorded in the sizes)."""
+    assert ablations.main(["--quick", "--task", "scaffold", "--only", "table2", "--seeds", "1",
+                           "--runs", str(tmp_path), "--out", str(tmp_path)]) == 0
+    meta = json.loads((tmp_path / "ablations.json").read_text())
+    assert meta["size"]["task"] == "scaffold"
+    cfg = json.loads((tmp_path / "table2" / "seed0" / "config.json").read_text())
+    assert cfg["task"] == "scaffold"
+    for label in ablations.TABLE2.values():
+        assert label in (tmp_path / "ablations.md").read_text()
+
+
+def test_run_seeds_reuses_a_finished_run_whatever_the_path_spelling(tmp_path, monkeypatch):
+    """A finished seed trained under an absolute path is reused, not wiped, when the next
+    script names the same folder relatively (regression: the scaffold tables wiped Figure 3's
+    seed 0 because `out` was compared as a string)."""
+    common.run_seeds(tmp_path / "r", [0], objectives=["gspo"], **common.QUICK)
+    before = (tmp_path / "r" / "seed0" / "metrics.jsonl").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    common.run_seeds("r", [0], objectives=["gspo"], **common.QUICK)
+    assert (tmp_path / "r" / "seed0" / "metrics.jsonl").read_bytes() == before
