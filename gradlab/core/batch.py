@@ -24,10 +24,15 @@ class TokenBatch:
       mask        (B, T) bool   — True on response tokens that enter the loss
       logps       (B, T) float  — log π_θ(y_t | x, y_<t) of the current policy (may require grad)
       old_logps   (B, T) float  — log π_old of the behaviour policy
-      advantages  (B,)   float  — A_i (see `advantages`)
+      advantages  (B,) or (B, T) float — A_i (see `advantages`), or token advantages A_{i,t}
+                  (see `gradlab.process_advantages`); `adv_tokens` gives the (B, T) view either way
       group       (B,)   long   — rows with equal values belong to one prompt's group;
                                   rows of a group need not be contiguous
       ref_logps   (B, T) float or None — reference policy, only for a KL term (beta > 0)
+      rewards     (B,)   float or None — terminal rewards R_i; objectives that build their own
+                  token advantages from the group (IBPO) read them
+      repair_of   (B,)   long or None — for a corrected (repair) response, the row it corrects;
+                  −1 elsewhere (MATH.md §6b). Only the IBPO `repair` form reads it
       n_seqs, n_tokens, width  int or None — the totals that loss normalisers use (number of
                   sequences B, masked-in tokens Σ T_i, padded width T_max). None = this batch's
                   own. Data-parallel training sets them to the global batch's totals so that
@@ -45,6 +50,8 @@ class TokenBatch:
     advantages: Tensor
     group: Tensor
     ref_logps: Tensor | None = None
+    rewards: Tensor | None = None
+    repair_of: Tensor | None = None
     n_seqs: int | None = None
     n_tokens: int | None = None
     width: int | None = None
@@ -74,6 +81,12 @@ class TokenBatch:
     def norm_tokens(self) -> Tensor | int:
         """Σ_j T_j used by token-mean normalisation (≥ 1)."""
         return max(self.n_tokens, 1) if self.n_tokens is not None else self.mask.sum().clamp(min=1)
+
+    @property
+    def adv_tokens(self) -> Tensor:
+        """(B, T) advantages: A_{i,t} as given, or A_i broadcast over the row (a view)."""
+        a = self.advantages
+        return a if a.dim() == 2 else a.unsqueeze(-1).expand(self.B, self.T)
 
     @property
     def lengths(self) -> Tensor:
@@ -116,10 +129,12 @@ def _check_batch(b: TokenBatch) -> None:
     if b.tokens.dtype not in (torch.long, torch.int32, torch.int64):
         raise ValueError(f"TokenBatch.tokens must be an integer tensor, got {b.tokens.dtype}")
     expect = {
-        "mask": (B, T), "logps": (B, T), "old_logps": (B, T), "advantages": (B,), "group": (B,),
+        "mask": (B, T), "logps": (B, T), "old_logps": (B, T), "group": (B,),
+        "advantages": (B, T) if getattr(b.advantages, "dim", lambda: 1)() == 2 else (B,),
     }
-    if b.ref_logps is not None:
-        expect["ref_logps"] = (B, T)
+    for name, shape in (("ref_logps", (B, T)), ("rewards", (B,)), ("repair_of", (B,))):
+        if getattr(b, name) is not None:
+            expect[name] = shape
     for name, shape in expect.items():
         v = getattr(b, name)
         if not isinstance(v, Tensor):
@@ -135,9 +150,11 @@ def _check_batch(b: TokenBatch) -> None:
             )
     if b.mask.dtype != torch.bool:
         raise ValueError(f"TokenBatch.mask must be bool, got {b.mask.dtype}")
-    if b.group.dtype not in (torch.long, torch.int32, torch.int64):
-        raise ValueError(f"TokenBatch.group must be an integer tensor, got {b.group.dtype}")
-    for name in ("logps", "old_logps", "advantages", "ref_logps"):
+    for name in ("group", "repair_of"):
+        v = getattr(b, name)
+        if v is not None and v.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"TokenBatch.{name} must be an integer tensor, got {v.dtype}")
+    for name in ("logps", "old_logps", "advantages", "ref_logps", "rewards"):
         v = getattr(b, name)
         if v is not None and not v.is_floating_point():
             raise ValueError(f"TokenBatch.{name} must be floating point, got {v.dtype}")
@@ -157,10 +174,16 @@ def _check_finite(b: TokenBatch) -> None:
                 f"TokenBatch.{name} is not finite at row {i}, position {t} "
                 f"(value {v[i, t].item()}, group {int(b.group[i])})"
             )
-    bad = ~torch.isfinite(b.advantages.detach())
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"TokenBatch.advantages is not finite at row {i} (group {int(b.group[i])})")
+    for name in ("advantages", "rewards"):
+        v = getattr(b, name)
+        if v is None:
+            continue
+        bad = ~torch.isfinite(v.detach())
+        if v.dim() == 2:  # token advantages: only masked-in positions must be finite
+            bad &= b.mask
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0][0])
+            raise ValueError(f"TokenBatch.{name} is not finite at row {i} (group {int(b.group[i])})")
 
 
 def _desc(v: object) -> str:
