@@ -111,6 +111,9 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     return 0
 
 
+IBPO_ROWS = ["ibpo[form=la]", "ibpo[form=togo]", "ibpo[form=ga+la,base=gspo]"]
+
+
 def cmd_table(a: argparse.Namespace) -> int:
     """Cancellation ratio of every built-in objective on synthetic groups (no model needed)."""
     from .core import objectives
@@ -120,10 +123,11 @@ def cmd_table(a: argparse.Namespace) -> int:
     rows = []
     for off in (0.0, a.off_policy):
         b = random_batch(n_groups=8, G=a.G, T=16, seed=a.seed, off_policy=off)
-        for name in objectives.names():
-            W = objectives.get(name).modulation(b)
+        for name in objectives.names() + IBPO_ROWS:
+            obj = objectives.get(name)
+            W, pb = obj.modulation(b), obj.prepare(b)  # IBPO: its token advantages
             rows.append((name, "on" if off == 0 else f"off ({off})",
-                         cancellation(W, b, "prefix").ratio, cancellation(W, b, "trie").ratio))
+                         cancellation(W, pb, "prefix").ratio, cancellation(W, pb, "trie").ratio))
     print("| objective | policy | ρ full-group | ρ trie |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.3g} | {r[3]:.3g} |")

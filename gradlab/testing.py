@@ -71,7 +71,8 @@ def random_batch(
         rewards[1::G] = 0.0
     perm = torch.arange(B) if contiguous else torch.randperm(B, generator=gen)
     adv = advantages(rewards.to(dtype), group)
-    return TokenBatch(tokens[perm], mask[perm], logps[perm], old[perm], adv[perm], group[perm])
+    return TokenBatch(tokens[perm], mask[perm], logps[perm], old[perm], adv[perm], group[perm],
+                      rewards=rewards.to(dtype)[perm])
 
 
 def measure_modulation(loss_fn: Callable[[TokenBatch], Tensor], batch: TokenBatch) -> Tensor:

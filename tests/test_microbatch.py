@@ -32,7 +32,8 @@ G = 4
 VARIANTS = [(n, {}) for n in objectives.names()] + [
     ("grpo", {"norm": "seq"}), ("grpo", {"norm": "const"}), ("dfpo", {"stop_grad": False}),
     ("dfpo", {"nodes": "trie"}), ("dfpo", {"scope": "all", "transform": "orth"}),
-    ("dfpo", {"base": "grpo"})]
+    ("dfpo", {"base": "grpo"}), ("ibpo", {"form": "togo", "base": "gspo"}),
+    ("ibpo", {"form": "la", "reweight": "sqrt"})]
 IDS = [n + "".join(f"-{k}={v}" for k, v in p.items()) for n, p in VARIANTS]
 
 
@@ -48,6 +49,7 @@ def setup():
     g = torch.Generator().manual_seed(1)
     ro.old_logps = (ro.old_logps + 0.3 * torch.randn(ro.old_logps.shape, generator=g)) * ro.response_mask
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 1, 0, 1, 0, 0])
+    ro.rewards = rewards  # IBPO builds its token advantages from them
     adv = advantages(rewards, ro.group)
     rows = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7])  # not sorted
     return model.train(), ro, adv, rows
@@ -60,7 +62,7 @@ def _one_pass(model, obj, ro, adv, rows):
                           ro.response_mask[rows], return_entropy=True)
     lp.retain_grad()
     b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, ro.old_logps[rows],
-                   adv[rows], ro.group[rows])
+                   adv[rows], ro.group[rows], rewards=ro.rewards[rows])
     loss = obj.loss(b)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

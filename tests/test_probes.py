@@ -85,7 +85,8 @@ def _token_logps(logprobs, d):
 
 def _batch(d, lp, old):
     adv = advantages(d["rewards"].to(lp.dtype), d["group"])
-    return TokenBatch(d["tokens"], d["mask"], lp, old, adv, d["group"])
+    return TokenBatch(d["tokens"], d["mask"], lp, old, adv, d["group"],
+                      rewards=d["rewards"].to(lp.dtype))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,7 +130,9 @@ def _step(setup, on_policy=False):
 
 OBJS = [(n, {}) for n in objectives.names()] + [("grpo", {"norm": "seq"}),
                                                 ("grpo", {"norm": "const"}),
-                                                ("gspo", {"eps": (0.2, 0.2)})]
+                                                ("gspo", {"eps": (0.2, 0.2)}),
+                                                ("ibpo", {"form": "togo", "base": "gspo"}),
+                                                ("ibpo", {"form": "la", "reweight": "sqrt"})]
 
 
 def test_measured_W_equals_closed_form(setup):

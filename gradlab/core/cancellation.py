@@ -47,7 +47,7 @@ def node_coefficients(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> NodeCoef
     sh = sn.node >= 0
     idx = sn.node[sh]
     z = torch.zeros(sn.n, dtype=dt, device=W.device)
-    A = batch.advantages.detach().to(dt).unsqueeze(-1).expand_as(W)[sh]
+    A = batch.adv_tokens.detach().to(dt)[sh]  # token advantages at the node (MATH.md §6)
     c = z.index_add(0, idx, W[sh])
     mass = z.index_add(0, idx, W[sh].abs())
     adv_sum = z.index_add(0, idx, A)
@@ -125,6 +125,7 @@ def attribution_sums(objective, batch: TokenBatch, nodes: str = "prefix") -> dic
     """The parts of `attribution` before dividing: "residual" Σ|d| and, per mechanism,
     res − res_off. Both add over disjoint sets of groups (data-parallel ranks, optimizer
     steps), so shares pooled over them are Σ(res − res_off) / Σ res."""
+    batch = objective.prepare(batch)  # the advantages W is built from (IBPO: per token)
     sn = shared_nodes(batch, nodes)
     res = cancellation(objective.modulation(batch), batch, sn=sn).residual
     out = {"residual": res}

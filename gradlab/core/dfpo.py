@@ -47,7 +47,7 @@ def transform_weights(
     """Apply a DFPO transform to w at the positions of `node`.
 
     w (B, T) float (may carry a graph: the result is differentiable in w, the min sends its
-    gradient to the single selected member), adv (B,) A_i, node (B, T) long with −1 where w is
+    gradient to the single selected member), adv (B,) A_i or (B, T) A_{i,t}, node (B, T) long with −1 where w is
     left alone. Returns w̃ (B, T).
     """
     if transform not in TRANSFORMS:
@@ -87,7 +87,8 @@ def _centred_advantages(adv: Tensor, sh: Tensor, idx: Tensor, n: int, dtype) -> 
     The all-equal test is exact (max == min) so that rounding in the mean can never produce a
     tiny aᵀa that blows up the projection.
     """
-    av = adv.to(dtype).unsqueeze(-1).expand(sh.shape)[sh]  # (K,)
+    adv = adv if adv.dim() == 2 else adv.unsqueeze(-1).expand(sh.shape)  # (B, T)
+    av = adv.to(dtype)[sh]  # (K,)
     cnt = torch.zeros(n, dtype=dtype, device=av.device).index_add_(0, idx, torch.ones_like(av))
     mean = torch.zeros_like(cnt).index_add_(0, idx, av) / cnt
     hi = torch.full_like(cnt, -float("inf")).scatter_reduce(0, idx, av, reduce="amax")

@@ -67,12 +67,12 @@ class SharedNodes:
         return SharedNodes(node, *f, kind="prefix")
 
 
-def _pack(batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _pack_labels(group: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Pack rows into a (n_groups, G_max, T) grid.
 
     Returns (slot (B,) — flat index gid * G_max + rank of each row, gid (B,), sizes, G_max).
     """
-    gid, sizes = group_index(batch.group)
+    gid, sizes = group_index(group)
     order = torch.argsort(gid, stable=True)
     starts = torch.cumsum(sizes, 0) - sizes  # (n_groups,)
     rank = torch.empty_like(gid)
@@ -81,24 +81,47 @@ def _pack(batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return gid * g_max + rank, gid, sizes, torch.tensor(g_max)
 
 
-def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
-    """Find the shared-token nodes of a batch (MATH.md §3).
+@dataclass
+class PrefixGrid:
+    """Pairwise prefix structure of a batch's groups, on a (n_groups, G_max, T) grid.
 
-    nodes="prefix": full-group nodes only (all rows of the group agree up to t);
-    nodes="trie": every node of each group's prefix trie with ≥ 2 members (prefix nodes included).
+    slot  (B,) long — flat grid row (gid * G_max + rank) of each batch row
+    sizes (n_groups,) long — rows per group in the batch
+    lcp   (n, G, G) long — longest common prefix of rows i, j (≤ T; T for a row with itself)
+    count (n, G, T) long — |S| of the node of (i, t): rows j with lcp_ij > t (0 where masked out)
+    first (n, G, T) long — the node's smallest member rank (its id within the group)
     """
-    if nodes not in NODE_KINDS:
-        raise ValueError(f"shared_nodes: unknown nodes={nodes!r}; valid: {NODE_KINDS}")
-    B, T = batch.tokens.shape
-    dev = batch.tokens.device
-    slot, gid, sizes, g_max_t = _pack(batch)
+
+    slot: Tensor
+    sizes: Tensor
+    lcp: Tensor
+    count: Tensor
+    first: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.count.shape)
+
+    def to_rows(self, x: Tensor) -> Tensor:
+        """A (n, G, T) grid tensor as (B, T) batch rows."""
+        n, g, T = self.count.shape
+        return x.reshape(n * g, T)[self.slot]
+
+
+def prefix_grid(tokens: Tensor, mask: Tensor, group: Tensor) -> PrefixGrid:
+    """The pairwise prefix structure behind `shared_nodes` and the trie advantages
+    (`gradlab.core.ibpo`). tokens (B, T), mask (B, T) bool, group (B,). O(n G² T), no Python
+    loop over tokens or pairs."""
+    B, T = tokens.shape
+    dev = tokens.device
+    slot, gid, sizes, g_max_t = _pack_labels(group)
     g_max, n_groups = int(g_max_t), int(sizes.numel())
     # Grid of effective tokens: masked-out positions become −1 so the mask state is compared too.
-    eff = torch.where(batch.mask, batch.tokens.long(), torch.full_like(batch.tokens.long(), -1))
+    eff = torch.where(mask, tokens.long(), torch.full_like(tokens.long(), -1))
     grid = torch.full((n_groups * g_max, T), -2, dtype=torch.long, device=dev)
     grid[slot] = eff
     gmask = torch.zeros((n_groups * g_max, T), dtype=torch.bool, device=dev)
-    gmask[slot] = batch.mask
+    gmask[slot] = mask
     grid = grid.view(n_groups, g_max, T)
     gmask = gmask.view(n_groups, g_max, T)
 
@@ -123,6 +146,24 @@ def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
     mins.scatter_reduce_(2, lcp_c, j, reduce="amin")
     first = mins.flip(-1).cummin(-1).values.flip(-1)[..., 1:]  # (n, G, T)
     count = count * gmask  # a masked-out position belongs to no node
+    return PrefixGrid(slot, sizes, lcp_c, count, first)
+
+
+def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
+    """Find the shared-token nodes of a batch (MATH.md §3).
+
+    nodes="prefix": full-group nodes only (all rows of the group agree up to t);
+    nodes="trie": every node of each group's prefix trie with ≥ 2 members (prefix nodes included).
+    """
+    if nodes not in NODE_KINDS:
+        raise ValueError(f"shared_nodes: unknown nodes={nodes!r}; valid: {NODE_KINDS}")
+    B, T = batch.tokens.shape
+    dev = batch.tokens.device
+    pg = prefix_grid(batch.tokens, batch.mask, batch.group)
+    slot, sizes, count, first = pg.slot, pg.sizes, pg.count, pg.first
+    n_groups, g_max, _ = pg.shape
+    gid, _ = group_index(batch.group)
+    pos = torch.arange(T, device=dev)
 
     in_node = count >= 2
     if nodes == "prefix":

@@ -6,7 +6,10 @@ so ∇θL = −Σ W_{i,t} ∇θ l_{i,t} with W := −∂L/∂l (MATH.md §2). Ea
   .modulation(batch)  — W from the closed form, (B, T), zero at masked positions,
 and the tests hold one against the autograd gradient of the other.
 
-Names: "grpo", "grpo-fix", "gspo", "gspo-token", "dfpo" (+ aliases "dfpo-min", "dfpo-orth").
+Names: "grpo", "grpo-fix", "gspo", "gspo-token", "dfpo" (+ aliases "dfpo-min", "dfpo-orth"),
+"ibpo" (gradlab.core.ibpo: token advantages from counterfactual paths over a token-level base).
+Advantages may be per sequence (B,) or per token (B, T) (MATH.md §6, "Token advantages in any
+objective"); (B,) advantages take the original code path bit for bit.
 `.modulation(batch, off=...)` can switch mechanisms off for attribution (MATH.md §3):
 "coupling" (s_i → 1), "length" (T_i → the batch's mean length), "clip" (indicators → 1).
 """
@@ -43,6 +46,12 @@ def _lengths(batch: TokenBatch, off: tuple = ()) -> Tensor:
     return T_i.clamp(min=1)
 
 
+def _adv(batch: TokenBatch) -> Tensor:
+    """Advantages shaped to broadcast against (B, T): (B, 1) per sequence, (B, T) per token."""
+    a = batch.advantages
+    return a if a.dim() == 2 else a.unsqueeze(-1)
+
+
 def _active(adv: Tensor, ratio: Tensor, eps: tuple[float, float]) -> Tensor:
     """PPO clip indicator: False where the clipped branch of min(rA, clip(r)A) is taken."""
     lo, hi = eps
@@ -77,6 +86,11 @@ class Objective:
         raise NotImplementedError
 
     # --- shared --------------------------------------------------------------------------
+    def prepare(self, batch: TokenBatch) -> TokenBatch:
+        """The batch this objective trains on: the identity here; IBPO puts its token
+        advantages in. Probes read W's advantages from `prepare(batch)` (c*_n, traces)."""
+        return batch
+
     def loss(self, batch: TokenBatch) -> Tensor:
         """Scalar loss, differentiable w.r.t. batch.logps (values outside the mask are inert)."""
         batch = batch.inert()
@@ -169,11 +183,10 @@ class GRPO(Objective):
         return torch.exp(_f(batch.logps) - _f(batch.old_logps))  # (B, T)
 
     def active(self, batch: TokenBatch, ratio: Tensor) -> Tensor:
-        return _active(batch.advantages.unsqueeze(-1), ratio, self.eps)
+        return _active(_adv(batch), ratio, self.eps)
 
     def policy_loss(self, batch: TokenBatch) -> Tensor:
-        adv = _f(batch.advantages).unsqueeze(-1)
-        per_token = _ppo(self.ratio(batch), adv, self.eps)  # (B, T)
+        per_token = _ppo(self.ratio(batch), _f(_adv(batch)), self.eps)  # (B, T)
         return (per_token * self.norm(batch)).sum()
 
     def weight(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> Tensor:
@@ -185,7 +198,7 @@ class GRPO(Objective):
         return self.norm(batch, off) * r * act
 
     def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
-        return _f(batch.advantages).unsqueeze(-1) * self.weight(batch, off)
+        return _f(_adv(batch)) * self.weight(batch, off)
 
 
 class GRPOFix(GRPO):
@@ -222,7 +235,7 @@ class GRPOFix(GRPO):
 
     def policy_loss(self, batch: TokenBatch) -> Tensor:
         r = self.ratio(batch)
-        adv = _f(batch.advantages).unsqueeze(-1)
+        adv = _f(_adv(batch))
         act = self.active(batch, r.detach())
         lo, hi = self.eps
         per_token = -torch.where(act, r * adv, (r.clamp(1 - lo, 1 + hi) * adv).detach())
@@ -233,6 +246,12 @@ class GSPO(Objective):
     """GSPO: sequence ratio s_i = exp(mean_t(l − l_old)), sequence clip, mean over sequences.
 
     W_{i,t} = (1/B)(s_i/T_i) A_i 1[active_i]. Default eps = (3e-4, 4e-4) (GSPO paper).
+
+    Token advantages (B, T), *our reading*: the sequence term becomes the mean over the row's
+    tokens of the PPO term with A_{i,t}, (1/T_i) Σ_t −min(s_i A_{i,t}, clip(s_i) A_{i,t}) — the
+    value of GSPO-token. The ratio couples the row, so W_{i,u} = (1/B)(s_i/T_i²) Σ_t A_{i,t}
+    1[active_{i,t}] is the same on every token of the row: the token credit is averaged away.
+    GSPO-token keeps it (W = A_{i,t} w_{i,t}); DFPO over "gspo" uses GSPO-token's w then.
     """
 
     name = "gspo"
@@ -251,20 +270,32 @@ class GSPO(Objective):
         return torch.exp(d.sum(-1) / _lengths(batch))
 
     def policy_loss(self, batch: TokenBatch) -> Tensor:
+        if batch.advantages.dim() == 2:  # token advantages: the mean of the token terms
+            per_tok = _ppo(self.seq_ratio(batch).unsqueeze(-1), _f(batch.advantages), self.eps)
+            return (per_tok * self.norm(batch)).sum()
         per_seq = _ppo(self.seq_ratio(batch), _f(batch.advantages), self.eps)  # (B,)
         return per_seq.sum() / batch.norm_seqs
 
     def weight(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> Tensor:
-        """w with W = A·w: (B, T) = (1/B)(s_i/T_i) 1[active_i] on masked-in positions."""
+        """w with W = A·w: (B, T) = (1/B)(s_i/T_i) 1[active_i] on masked-in positions
+        (with token advantages the clip indicator is per token, 1[active_{i,t}])."""
         s = self.seq_ratio(batch) if grad else self.seq_ratio(batch).detach()
+        if "coupling" in off:
+            s = torch.ones_like(s)
+        if batch.advantages.dim() == 2:
+            act = _active(batch.advantages, s.detach().unsqueeze(-1), self.eps)  # (B, T)
+            if "clip" in off:
+                act = torch.ones_like(act)
+            return self.norm(batch, off) * s.unsqueeze(-1) * act
         act = _active(batch.advantages, s.detach(), self.eps)
         if "clip" in off:
             act = torch.ones_like(act)
-        if "coupling" in off:
-            s = torch.ones_like(s)
         return self.norm(batch, off) * (s * act).unsqueeze(-1)
 
     def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        if batch.advantages.dim() == 2:  # the ratio spreads Σ_t A_t w_t over the row's tokens
+            per_row = (_f(batch.advantages) * self.weight(batch, off)).sum(-1, keepdim=True)
+            return per_row * batch.mask / _lengths(batch, off).unsqueeze(-1)
         return _f(batch.advantages).unsqueeze(-1) * self.weight(batch, off)
 
 
@@ -280,8 +311,12 @@ class GSPOToken(GSPO):
         lp = _f(batch.logps)
         s = self.seq_ratio(batch).detach().unsqueeze(-1)
         s_tok = s * torch.exp(lp - lp.detach())  # (B, T), value s_i
-        per_token = _ppo(s_tok, _f(batch.advantages).unsqueeze(-1), self.eps)
+        per_token = _ppo(s_tok, _f(_adv(batch)), self.eps)
         return (per_token * self.norm(batch)).sum()
+
+    def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
+        """W_{i,t} = A_{i,t} (1/B)(s_i/T_i) 1[active_{i,t}]: token credit is kept."""
+        return _f(_adv(batch)) * self.weight(batch, off)
 
 
 class DFPO(Objective):
@@ -318,6 +353,7 @@ class DFPO(Objective):
                 raise ValueError(f"dfpo: unknown {arg}={val!r}; valid: {valid}")
         if not stop_grad and base != "gspo":
             raise ValueError("dfpo: stop_grad=False (the no-stop-grad ablation) needs base='gspo'")
+        self._tilde_check = not stop_grad  # per-sequence advantages only (see policy_loss)
         self.base = bases[base](**({} if eps is None else {"eps": eps}))
         self.transform, self.scope, self.nodes = transform, scope, nodes
         self.stop_grad, self.factor = bool(stop_grad), float(factor)
@@ -342,9 +378,15 @@ class DFPO(Objective):
         node, n = node_map(batch, self.scope, self.nodes)
         return w, transform_weights(w, batch.advantages, node, n, self.transform, self.factor)
 
+    def _check_adv(self, batch: TokenBatch) -> None:
+        if self._tilde_check and batch.advantages.dim() == 2:
+            raise ValueError("dfpo: stop_grad=False (the no-stop-grad ablation) needs per-sequence "
+                             "advantages (B,); got token advantages (B, T)")
+
     def policy_loss(self, batch: TokenBatch) -> Tensor:
+        self._check_adv(batch)
         lp = _f(batch.logps)
-        adv = _f(batch.advantages).unsqueeze(-1)
+        adv = _f(_adv(batch))
         if not self.stop_grad:
             _, wt = self.tilde(batch, grad=True)
             return -(adv * wt * lp * batch.mask).sum()
@@ -355,7 +397,8 @@ class DFPO(Objective):
         return -(adv * wt * (lp - lp.detach())).sum() + value
 
     def policy_modulation(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
-        adv = _f(batch.advantages).unsqueeze(-1)
+        self._check_adv(batch)
+        adv = _f(_adv(batch))
         w, wt = self.tilde(batch, off)
         W = adv * wt
         if self.stop_grad:
@@ -372,6 +415,8 @@ class DFPO(Objective):
 
 
 def _registry() -> dict[str, Callable[..., Objective]]:
+    from .ibpo import IBPO  # ibpo builds on the classes above
+
     return {
         "grpo": GRPO,
         "grpo-fix": GRPOFix,
@@ -381,6 +426,7 @@ def _registry() -> dict[str, Callable[..., Objective]]:
         "dfpo-min": lambda **kw: DFPO(**{"transform": "min", **kw}),
         "dfpo-orth": lambda **kw: DFPO(**{"transform": "orth", **kw}),
         "dfpo-scale": lambda **kw: DFPO(**{"transform": "scale", **kw}),
+        "ibpo": IBPO,
     }
 
 

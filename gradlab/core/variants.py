@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import re
 
-_BARE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")  # a bare word taken as a string
+_BARE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.+\-]*$")  # a bare word taken as a string (ga+la)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _OPEN, _CLOSE = "[({", "])}"
 

@@ -178,7 +178,7 @@ def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
     sign of A: how far the earlier optimizer steps of the window moved the policy since
     sampling, free from TRL's own log-probs (KL would need full distributions: not kept)."""
     dl = (batch.logps - batch.old_logps).double()
-    A = batch.advantages.unsqueeze(-1)
+    A = batch.adv_tokens
     div = batch.mask & (sn.node < 0)
     out = {}
     for name, keep in (("node", sn.node >= 0), ("div_pos", div & (A > 0)), ("div_neg", div & (A < 0))):

@@ -96,6 +96,10 @@ def validate(c: RunConfig) -> None:
             objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
         except ValueError as e:
             raise ConfigError(f"--objectives: {e}") from None
+    if c.adv_scale == "batch" and c.micro_batch is not None and any(
+            n.split("[")[0] == "ibpo" for n in c.objectives):
+        raise ConfigError("--adv-scale batch with --micro-batch: IBPO scales its token "
+                          "advantages by the std of the rows in each loss call; use group or none")
     if len(set(c.objectives)) != len(c.objectives):
         raise ConfigError(f"--objectives: duplicate names in {c.objectives}")
     checks = [

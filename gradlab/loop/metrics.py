@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
+from ..core.credit import branch_tokens
 
 TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
 
@@ -58,6 +59,15 @@ class StepMetrics:
         self.add_scalar("loss", loss)
         for k, v in stats.items():
             self.sums[f"{TOKSUM}{k}"].append(v.detach().double() * n)
+
+    def add_advantages(self, batch: TokenBatch) -> None:
+        """Where the trained advantages sit: tokens with A ≠ 0, and |A| mass at branch tokens
+        (a token whose parent trie node branches: IBPO's comparisons live there)."""
+        A, m = batch.adv_tokens.detach().abs() * batch.mask, batch.mask
+        branch = branch_tokens(batch.tokens, batch.mask, batch.group)
+        self.sums["adv_nonzero"].append(((A > 0) & m).sum())
+        self.sums["adv_abs_sum"].append(A.double().sum())
+        self.sums["adv_abs_branch_sum"].append((A * branch).double().sum())
 
     def record(self, r) -> None:
         """A `gradlab.probes.StepReadings` of one optimizer step: sums add, maxima max."""
@@ -170,6 +180,9 @@ def _ratios(s: dict) -> dict:
     # mean, so on-policy steps whose residual is float noise weigh ~0)
     for key in [k for k in s if k.startswith("attr_") and k.endswith("_sum")]:
         out[key[: -len("_sum")]] = div(out.pop(key), s["attr_residual"])
+    if "adv_nonzero" in s:
+        out["adv_nonzero_frac"] = div(out.pop("adv_nonzero"), n)
+        out["adv_branch_share"] = div(out.pop("adv_abs_branch_sum"), out.pop("adv_abs_sum"))
     for kind in ("prefix", "trie"):
         if f"n_shared_{kind}" in s:
             out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)

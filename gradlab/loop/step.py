@@ -88,17 +88,19 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     acc.time("update", t0)
     t1 = time.perf_counter()
     acc.add_basic(batch, ent, loss, L.objective.stats(batch))  # stats of the whole step
+    trained = L.objective.prepare(batch)  # the advantages W is built from (IBPO: per token)
+    acc.add_advantages(trained)
     sn = None
     if cfg.probes:
         readings = measure_step(L.objective, batch, W, ent, heavy, others)
         acc.record(readings)
         sn = readings.prefix_nodes
-    record_trace(L, ro, rows, batch, W)  # token traces (loop/traces.py), on traced steps
+    record_trace(L, ro, rows, trained, W)  # token traces (loop/traces.py), on traced steps
     D.fix_grads(L.model)
     taxed, drift = cfg.probes and heavy, cfg.probes and cfg.drift
     grads = _grads_for_tax(L, taxed)
     with _local_forwards(L, taxed or drift, grad=taxed):  # FSDP: full weights, rank's own passes
-        tax = tax_step(L, cfg, ro, rows, batch, W, sn) if taxed else None
+        tax = tax_step(L, cfg, ro, rows, trained, W, sn) if taxed else None
         before = node_logprobs(unwrap(L.model), cfg, ro, rows, sn) if drift and sn.n else None
     if tax is not None:
         acc.add_tax(reduce_tax(tax, grads, D) if D.enabled else tax)
@@ -111,7 +113,7 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     if drift:
         t3 = time.perf_counter()
         with _local_forwards(L, drift):
-            drift_step(L, cfg, ro, rows, batch, before, sn, heavy, acc)
+            drift_step(L, cfg, ro, rows, trained, before, sn, heavy, acc)
         acc.time("probes", t3)
 
 
@@ -186,9 +188,7 @@ def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.T
                 lp, e = token_logps(L.model, ro.prompt_ids[r], ro.prompt_mask[r],
                                     ro.response_ids[r, :t], ro.response_mask[r, :t],
                                     cfg.temperature, return_entropy=True, entropy_grad=False)
-            mb = TokenBatch(ro.response_ids[r, :t], ro.response_mask[r, :t], lp,
-                            ro.old_logps[r, :t], adv[r], ro.group[r], n_seqs=norms[0],
-                            n_tokens=norms[1], width=norms[2], validate=False)
+            mb = rows_batch(ro, r, lp, adv, norms, t)
             with ModulationProbe(enabled=cfg.probes) as probe:
                 part_loss = L.objective.loss(mb.replace(logps=probe.watch(lp)))
                 part_loss.backward()
@@ -202,10 +202,26 @@ def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.T
         del lp, e, part_loss, mb, probe
     for _ in range(passes - len(parts)):  # FSDP lock-step: as many passes as the busiest rank
         _zero_pass(L, cfg, ro)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows], n_seqs=norms[0], n_tokens=norms[1],
-                       width=norms[2], validate=False)
-    return batch, W, ent, loss
+    return rows_batch(ro, rows, logps, adv, norms), W, ent, loss
+
+
+def rows_batch(ro: Rollout, rows: torch.Tensor, logps: torch.Tensor, adv: torch.Tensor,
+               norms: tuple[int, int, int], t: int | None = None) -> TokenBatch:
+    """The TokenBatch of rollout rows `rows` (B,), cut to the first t positions: logps (B, t),
+    sequence advantages adv (N,), rewards, and `repair_of` renumbered into this batch's rows
+    (−1 where the corrected row is not among them); norms: the step's normaliser totals."""
+    t = ro.response_ids.shape[1] if t is None else t
+    ref = getattr(ro, "repair_of", None)
+    if ref is not None:  # rollout row ids → positions in `rows`
+        pos = torch.full_like(ref, -1)
+        pos[rows] = torch.arange(rows.numel(), device=rows.device)
+        ref = ref[rows]
+        ref = torch.where(ref >= 0, pos[ref.clamp(min=0)], -1)
+    rewards = ro.rewards[rows] if ro.rewards is not None else None
+    return TokenBatch(ro.response_ids[rows, :t], ro.response_mask[rows, :t], logps,
+                      ro.old_logps[rows, :t], adv[rows], ro.group[rows], rewards=rewards,
+                      repair_of=ref, n_seqs=norms[0], n_tokens=norms[1], width=norms[2],
+                      validate=False)
 
 
 def _chunks(n: int, cfg: RunConfig) -> range:

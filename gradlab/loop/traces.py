@@ -74,7 +74,7 @@ def token_rows(batch: TokenBatch, W: Tensor, objective=None, keep: Tensor | None
     grid = {
         "group": batch.group.unsqueeze(-1).expand(B, T), "row": rig.to(W.device).unsqueeze(-1).expand(B, T),
         "position": torch.arange(T, device=W.device).expand(B, T), "token_id": batch.tokens,
-        "mask": batch.mask, "A": batch.advantages.float().unsqueeze(-1).expand(B, T), "r": r,
+        "mask": batch.mask, "A": batch.adv_tokens.float(), "r": r,
         "s": s, "W": W.float(), "W_closed": W_closed, "clip": clip, "prefix_node": prefix.node,
         "trie_node": trie.node, "trie_size": size,
     }

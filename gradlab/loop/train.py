@@ -63,9 +63,17 @@ def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
         m = (model if k == len(names) - 1 else copy.deepcopy(model)).to(cfg.device).train()
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # minibatch order
-        obj = objectives.get(name, **cfg.objective_params.get(name, {}))
-        out.append(Learner(name, obj, m, opt, gen))
+        out.append(Learner(name, build_objective(cfg, name), m, opt, gen))
     return out
+
+
+def build_objective(cfg: RunConfig, name: str) -> objectives.Objective:
+    """The objective `name` (with its bracketed and config parameters). An objective that
+    scales its own advantages (IBPO) takes --adv-scale unless its brackets set `scale`."""
+    obj = objectives.get(name, **cfg.objective_params.get(name, {}))
+    if getattr(obj, "scale", "") is None:
+        obj.scale = cfg.adv_scale
+    return obj
 
 
 def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout:
@@ -140,7 +148,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     evalset = format_problems(task, evalset)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
-        (n, objectives.get(n, **cfg.objective_params.get(n, {}))) for n in cfg.objectives[1:]]
+        (n, build_objective(cfg, n)) for n in cfg.objectives[1:]]
     # the probe set is drawn from the initial weights before the last learner takes them over
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     learners = make_learners(cfg, model, trained)

@@ -63,7 +63,7 @@ def node_drift(logp_before: Tensor, logp_after: Tensor, batch: TokenBatch,
     at_node = torch.zeros_like(batch.mask).index_put_(
         (sn.rep, sn.position), torch.ones_like(sn.rep, dtype=torch.bool))
     divergent = batch.mask & (sn.node < 0)
-    A = batch.advantages.unsqueeze(-1)
+    A = batch.adv_tokens
     out = _stats("node", dlogp, kl, at_node)
     out.update(_stats("div_pos", dlogp, kl, divergent & (A > 0)))
     out.update(_stats("div_neg", dlogp, kl, divergent & (A < 0)))
@@ -81,7 +81,7 @@ def divergent_dlogp(logps_before: Tensor, logps_after: Tensor, batch: TokenBatch
     """
     dlogp = logps_after - logps_before  # (B, T)
     divergent = batch.mask & (sn.node < 0)
-    A = batch.advantages.unsqueeze(-1)
+    A = batch.adv_tokens
     out = {}
     for name, keep in (("div_pos", divergent & (A > 0)), ("div_neg", divergent & (A < 0))):
         out[f"{name}_dlogp_sum"] = (dlogp * keep).sum()

@@ -52,14 +52,14 @@ def measure_step(obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool = F
     trie = shared_nodes(batch, "trie")
     sns = {"prefix": trie.full_group(), "trie": trie}
     r = StepReadings(prefix_nodes=sns["prefix"])
-    r.sums.update(residual_sums(W, batch, sns))
+    r.sums.update(residual_sums(W, obj.prepare(batch), sns))  # c*_n from W's own advantages
     for kind, sn in sns.items():
         r.sums[f"n_shared_{kind}"] = (sn.node >= 0).sum()
     r.sums["entropy_shared_sum"] = (ent * (sns["prefix"].node >= 0)).sum()
     r.maxes["w_dev"] = (W - obj.modulation(batch)).abs().max()
     r.maxes["w_max"] = W.abs().max()
     for name, o in others:
-        r.sums.update(residual_sums(o.modulation(batch), batch, sns, f"cf/{name}/"))
+        r.sums.update(residual_sums(o.modulation(batch), o.prepare(batch), sns, f"cf/{name}/"))
     if heavy:  # sums, so that steps and data-parallel ranks add: attr_m = Σ num / Σ residual
         att = attribution_sums(obj, batch, "prefix")
         r.sums["attr_residual"] = torch.tensor(att.pop("residual"), dtype=torch.float64)

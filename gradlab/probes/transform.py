@@ -61,10 +61,10 @@ class DFPOGradientTransform:
             raise ValueError(f"DFPOGradientTransform: weight is {tuple(weight.shape)}, "
                              f"batch is {tuple(batch.tokens.shape)}")
         self.transform, self.factor = transform, float(factor)
-        adv = batch.advantages.detach()
+        adv = batch.adv_tokens.detach()  # (B, T): per-sequence advantages broadcast
         node, self._n = node_map(batch, scope, nodes)
         if weight is None:
-            node = torch.where((adv != 0).unsqueeze(-1), node, -1)  # A = 0 rows left out (ours)
+            node = torch.where(adv != 0, node, -1)  # A = 0 tokens left out (ours)
         self._adv, self._node = adv, node
         self._delta = None if weight is None else self._difference(weight.detach())
         self.W: Tensor | None = None
@@ -74,7 +74,7 @@ class DFPOGradientTransform:
     def _difference(self, w: Tensor) -> Tensor:
         """(B, T) A·(w̃ − w): what the transform adds to W."""
         wt = transform_weights(w, self._adv, self._node, self._n, self.transform, self.factor)
-        return self._adv.to(w.dtype).unsqueeze(-1) * (wt - w)
+        return self._adv.to(w.dtype) * (wt - w)
 
     def __enter__(self) -> Self:
         return self
@@ -107,7 +107,7 @@ class DFPOGradientTransform:
         if self._delta is not None:
             delta = self._delta.to(W.dtype)
         else:
-            A = self._adv.to(W.dtype).unsqueeze(-1)  # (B, 1)
+            A = self._adv.to(W.dtype)  # (B, T)
             w = torch.where(A != 0, W / torch.where(A != 0, A, 1), 0)
             wt = transform_weights(w, self._adv, self._node, self._n, self.transform, self.factor)
             delta = A * (wt - w)
