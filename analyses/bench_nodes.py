@@ -1,4 +1,5 @@
-"""Benchmark: shared_nodes + cancellation on 64 groups × 8 responses × T tokens (CPU).
+"""Benchmark: shared_nodes + cancellation, and IBPO's trie advantages, on 64 groups × 8
+responses × T tokens (CPU), side by side in one run.
 
     python analyses/bench_nodes.py            # T = 256, 1024, 4096; prints a markdown table
     python analyses/bench_nodes.py --quick    # small sizes (used by the tests)
@@ -39,8 +40,15 @@ def make_batch(n_groups: int, G: int, T: int, seed: int = 0) -> gradlab.TokenBat
 def time_once(b: gradlab.TokenBatch, W: torch.Tensor) -> float:
     t0 = time.perf_counter()
     trie = gradlab.shared_nodes(b, "trie")  # the prefix nodes are the trie's full-group nodes
-    gradlab.core.cancellation(W, b, sn=trie)
-    gradlab.core.cancellation(W, b, sn=trie.full_group())
+    gradlab.cancellation(W, b, sn=trie)
+    gradlab.cancellation(W, b, sn=trie.full_group())
+    return time.perf_counter() - t0
+
+
+def time_advantages(b: gradlab.TokenBatch, R: torch.Tensor) -> float:
+    """IBPO's trie advantages (form ga+la) from the same batch: one `prefix_grid`, no loop."""
+    t0 = time.perf_counter()
+    gradlab.process_advantages(b.tokens, b.mask, b.group, R, "ga+la")
     return time.perf_counter() - t0
 
 
@@ -51,14 +59,18 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [(4, 4, 32), (4, 4, 64)] if args.quick else [(64, 8, 256), (64, 8, 1024), (64, 8, 4096)]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print("| groups × G × T | nodes+cancellation, both kinds (median ms) | µs per 1k tokens |")
-    print("|---|---|---|")
+    print("| groups × G × T | nodes+cancellation, both kinds (median ms) | µs per 1k tokens "
+          "| IBPO trie advantages (median ms) | ratio to nodes+cancellation |")
+    print("|---|---|---|---|---|")
     for n, G, T in sizes:
         b = make_batch(n, G, T)
         W = objectives.get("gspo").modulation(b)
-        time_once(b, W)  # warm-up
+        R = torch.randint(0, 2, (b.B,), generator=torch.Generator().manual_seed(1)).float()
+        time_once(b, W), time_advantages(b, R)  # warm-up
         ms = statistics.median(time_once(b, W) for _ in range(args.repeats)) * 1e3
-        print(f"| {n} × {G} × {T} | {ms:.1f} | {ms * 1e3 / (n * G * T / 1e3):.1f} |")
+        ms_a = statistics.median(time_advantages(b, R) for _ in range(args.repeats)) * 1e3
+        print(f"| {n} × {G} × {T} | {ms:.1f} | {ms * 1e3 / (n * G * T / 1e3):.1f} | {ms_a:.1f} "
+              f"| {ms_a / ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -315,3 +315,14 @@ def test_ibpo_scale_matches_advantages():
         div = advantages(b.rewards, b.group, scale) / advantages(b.rewards, b.group, "none")
         ok = advantages(b.rewards, b.group, "none") != 0
         assert torch.allclose(A[ok], (raw * div.unsqueeze(-1))[ok], rtol=1e-10)
+
+
+def test_bench_nodes_quick_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "analyses" / "bench_nodes.py"), "--quick",
+                          "--repeats", "1"], capture_output=True, text=True, check=True).stdout
+    assert "IBPO trie advantages" in out and "| 4 × 4 × 64 |" in out
