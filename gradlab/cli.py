@@ -137,9 +137,21 @@ def cmd_view(a: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), as pip reports it."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gradlab")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"gradlab {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="train one objective")
     run.add_argument("objective", help="objective name (gradlab.core.objectives.names())")
