@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # document this checkout's gradlab, not another installed copy
 MARKER = "<!-- gradlab:cli -->"
 # sub-commands one level further down that dispatch to their own parser (gradlab/cli.py: _delegate)
 NESTED = [["audit", "verl"]]
