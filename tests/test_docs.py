@@ -11,10 +11,10 @@ import functools
 import http.server
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
-import re
 import threading
 from pathlib import Path
 
