@@ -28,7 +28,7 @@ HELP = {
     "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
                    "gradient accumulation, same update; default: the whole step)",
     "fsdp": "shard the policy with FSDP2 under torchrun (≥ 2 ranks; sampling and probes "
-            "gather the full weights, see README)",
+            "gather the full weights, see docs/guides/real-models.md)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "eval_every": "held-out evaluation (greedy and sampled at --temperature; keys eval_accuracy, "
                   "eval_accuracy_greedy) every k rollout steps and at the end (0 = off)",
