@@ -36,6 +36,13 @@ def test_version_is_the_distributions(tmp_path):
     assert importlib.metadata.version("gradlab") == want == gradlab.__version__
 
 
+def test_readme_is_short_and_keeps_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert "pip install torch==2.13.0 && pip install -e . && gradlab reproduce\n" in readme
+    assert "bash .ci/run\n" in readme and (ROOT / ".ci" / "run").exists()
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     given = os.environ.get("GRADLAB_DOCS_SITE")
