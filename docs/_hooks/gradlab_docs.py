@@ -17,7 +17,6 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # document this checkout's gradlab, not another installed copy
 MARKER = "<!-- gradlab:cli -->"
 # sub-commands one level further down that dispatch to their own parser (gradlab/cli.py: _delegate)
 NESTED = [["audit", "verl"]]
@@ -56,6 +55,14 @@ def cli_reference() -> str:
         title = "gradlab " + " ".join(argv)
         lines += ["", f"## {title}", "", "```text", _help(argv), "```"]
     return "\n".join(lines) + "\n"
+
+
+def on_config(config):
+    """Document this checkout's gradlab, not another installed copy. (Here, not at import: MkDocs
+    pops its own sys.path entry after loading a hook file.)"""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return config
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
