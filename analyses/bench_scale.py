@@ -1,4 +1,4 @@
-"""Benchmarks of the real-scale loop (issue 15), on a random-init Qwen3 with the real
+"""Benchmarks of the real-scale loop, on a random-init Qwen3 with the real
 151,936-token vocabulary built from a config (no download).
 
     python analyses/bench_scale.py memory                       # 64 and 512 seqs × 256 tokens

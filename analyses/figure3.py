@@ -7,7 +7,9 @@ seed's curve on a common rollout-token grid (linear interpolation: seeds consume
 token counts) and draws mean and 95 % bootstrap band over seeds with
 `gradlab.viz.curves.training_curves`:
 
-  figure3.png              accuracy and reward vs rollout tokens (the paper's Figure 3)
+  figure3.png              accuracy vs rollout tokens (the paper's Figure 3) and reward where it
+                           differs from accuracy; on the built-in tasks the two are equal, so the
+                           second panel is the token entropy
   figure3_diagnostics.png  beyond the paper: ρ per step (full-group and trie nodes), the
                            learning-tax drift (cumulative KL at fixed shared probe contexts),
                            ‖g_tax‖/‖g_total‖, token entropy, equal-solution log-odds
@@ -23,12 +25,14 @@ token counts) and draws mean and 95 % bootstrap band over seeds with
 
     python analyses/figure3.py                 # full: 5 seeds × 150 steps × 8 prompts × G=8
     python analyses/figure3.py --quick         # seconds: runs/figure3-quick, for tests
+    python analyses/figure3.py --replot        # redraw the PNGs from figures/figure3.csv (no runs)
 Finished seed folders are reused (delete runs/figure3 to retrain).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -59,6 +63,7 @@ LABELS = {"dfpo-min": "DFPO (Min-Replace)", "dfpo-orth": "DFPO (Orth-Proj)",
 FULL = dict(steps=150, prompts=8, G=8, minibatches=4, tax_every=5, progress=True)
 MAIN = [("accuracy", "accuracy (training samples, temperature 1)"),
         ("reward", "reward")]
+ENTROPY = ("entropy", "token entropy (nats)")
 BEYOND = [("rho_prefix", "cancellation ratio ρ, full-group nodes"),
           ("rho_trie", "cancellation ratio ρ, trie nodes"),
           ("probe_kl", "learning-tax drift: cumulative KL at shared probe contexts (nats)"),
@@ -85,23 +90,40 @@ def paired_curves(tidy: pd.DataFrame, minibatches: int, base: str = "gspo") -> p
     return out
 
 
-def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFrame:
-    """Train (or reuse) the seeds, draw the figures, write the CSV; returns the tidy table."""
-    run_seeds(runs, seeds, objectives=OBJECTIVES, **size)
-    tidy = load_seeds(runs)
-    tidy = tidy[tidy["seed"].isin(list(seeds))]
-    aligned = align_tokens(tidy, n=min(40, size["steps"] * 4))
+def main_panels(tidy: pd.DataFrame) -> list[tuple[str, str]]:
+    """Accuracy, then reward only where it differs from accuracy (a binary verifier makes them
+    the same curve), else the token entropy."""
+    def metric(m):
+        return tidy[tidy["metric"] == m].set_index(["run", "objective", "step"])["value"]
+
+    acc, reward = metric("accuracy"), metric("reward")
+    same = len(reward) == len(acc) and reward.reindex(acc.index).equals(acc)
+    return [MAIN[0], ENTROPY if same or reward.empty else MAIN[1]]
+
+
+def draw(tidy: pd.DataFrame, out: Path, minibatches: int, smooth: int = 1) -> None:
+    """figure3.png, figure3_diagnostics.png, figure3_paired.png from the tidy table."""
+    steps = int(tidy["step"].max()) + 1
+    aligned = align_tokens(tidy, n=min(40, steps * 4))
     out.mkdir(parents=True, exist_ok=True)
-    plots.save(plots.training_curves(aligned, MAIN, smooth=smooth), out / "figure3.png")
+    plots.save(plots.training_curves(aligned, main_panels(tidy), smooth=smooth), out / "figure3.png")
     plots.save(plots.training_curves(aligned, BEYOND, smooth=smooth),
                out / "figure3_diagnostics.png")
-    diff = paired_curves(tidy, size["minibatches"])
+    diff = paired_curves(tidy, minibatches)
     title = ("paired by seed (same start, same prompts), at equal optimizer steps; "
              "mean and 95 % bootstrap band over seeds")
     plots.save(plots.training_curves(diff, [("accuracy − gspo", "training accuracy − GSPO's (points)"),
                                            ("tokens vs gspo", "rollout tokens consumed vs GSPO's (%)")],
                                      x="optimizer steps", smooth=max(smooth, 5), title=title),
                out / "figure3_paired.png")
+
+
+def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFrame:
+    """Train (or reuse) the seeds, draw the figures, write the CSV; returns the tidy table."""
+    run_seeds(runs, seeds, objectives=OBJECTIVES, **size)
+    tidy = load_seeds(runs)
+    tidy = tidy[tidy["seed"].isin(list(seeds))]
+    draw(tidy, out, size["minibatches"], smooth)
     # the data behind the figures: the plotted metrics (the full tables stay in the run folders)
     plotted = [m for m, _ in MAIN + BEYOND] + ["logodds_abs", "forms_entropy"]
     tidy[tidy["metric"].isin(plotted)].to_csv(out / "figure3.csv", index=False)
@@ -119,8 +141,17 @@ def main(argv: list[str] | None = None) -> int:
                    "no eval_accuracy (default 256)")
     p.add_argument("--task", help="arithmetic (default) or scaffold; runs are held out by "
                    "the loop's --eval-every (default 10): eval_accuracy is the held-out score")
+    p.add_argument("--replot", action="store_true", help="redraw the PNGs from OUT/figure3.csv "
+                   "and the size in OUT/figure3.json (no training, no run folders needed)")
     a = p.parse_args(argv)
     set_threads(1)
+    if a.replot:
+        out = Path(a.out or FIGURES)
+        size = json.loads((out / "figure3.json").read_text())["size"]
+        draw(pd.read_csv(out / "figure3.csv"), out, size["minibatches"], smooth=3)
+        print(f"figure3 → {out}/figure3.png, figure3_diagnostics.png, figure3_paired.png "
+              f"(redrawn from {out / 'figure3.csv'})")
+        return 0
     a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
     if a.steps:

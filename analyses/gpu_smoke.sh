@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU recipe (issue 15): one tandem (gspo, dfpo-min) of a Qwen3-0.6B-shaped random-init model,
+# GPU recipe: one tandem (gspo, dfpo-min) of a Qwen3-0.6B-shaped random-init model,
 # bf16 autocast over fp32 weights, 32 prompts × G = 8 × 1024 new tokens, --micro-batch 16, on
 # one GPU. Prints step time, peak GPU memory and the probe overhead ratio (update + probes) /
 # update. NOT YET RUN ON A GPU (README, "Real-scale loop").

@@ -1,4 +1,4 @@
-"""The numbers quoted in README's "DFPO at full-group nodes" and figures/README.md: the gradient
+"""The numbers quoted in docs/concepts/dfpo.md and figures/README.md: the gradient
 identity on tests/test_fair.py's real off-policy minibatch (shipped policy, float64 model).
 
     OMP_NUM_THREADS=1 python analyses/gradient_identity.py

@@ -1,7 +1,7 @@
 """The noise floor: how far apart do two runs end that *should* be the same?
 
 DFPO Min-Replace and Orth-Proj with `nodes="prefix"` give the same parameter gradient at every
-step (README, "DFPO at full-group nodes"): in one tandem (same start, same prompt stream, same
+step (docs/concepts/dfpo.md): in one tandem (same start, same prompt stream, same
 sampling noise) they are gradient-identical twins, and they part only when float rounding (the
 two transforms sum different numbers to the same zero) flips one sampled token. Whatever
 separates them at the end is run-to-run noise, not an effect. GSPO runs in the same tandem, so

@@ -1,4 +1,4 @@
-"""Where a probed optimizer step's time goes at the real vocabulary (issue 15): cProfile of a
+"""Where a probed optimizer step's time goes at the real vocabulary: cProfile of a
 bare step and a cheap-tier step on the random-init V = 151,936 Qwen3 of bench_scale, then
 torch.profiler's op table of each.
 

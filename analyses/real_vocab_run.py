@@ -1,4 +1,4 @@
-"""gradlab's own tandem on a real-vocabulary model, end to end through the CLI (issue 15).
+"""gradlab's own tandem on a real-vocabulary model, end to end through the CLI.
 
 Builds locally (no download) a random-init Qwen3 folder with the real 151,936-row embedding
 and a 151,669-id tokenizer (Qwen's real gap: the embedding is longer than the tokenizer, the

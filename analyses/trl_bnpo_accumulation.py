@@ -1,4 +1,4 @@
-"""Does TRL's loss cancel on-policy when gradient accumulation splits the groups? (issue 11)
+"""Does TRL's loss cancel on-policy when gradient accumulation splits the groups?
 
 One optimizer step per generation batch (on-policy: steps_per_generation =
 gradient_accumulation_steps = k), the batch cut into k loss calls after TRL's row shuffle, so

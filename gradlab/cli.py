@@ -28,7 +28,7 @@ HELP = {
     "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
                    "gradient accumulation, same update; default: the whole step)",
     "fsdp": "shard the policy with FSDP2 under torchrun (≥ 2 ranks; sampling and probes "
-            "gather the full weights, see README)",
+            "gather the full weights, see docs/guides/real-models.md)",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "eval_every": "held-out evaluation (greedy and sampled at --temperature; keys eval_accuracy, "
                   "eval_accuracy_greedy) every k rollout steps and at the end (0 = off)",
@@ -141,9 +141,21 @@ def cmd_view(a: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), as pip reports it."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gradlab")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"gradlab {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="train one objective")
     run.add_argument("objective", help="objective name (gradlab.core.objectives.names())")

@@ -198,3 +198,32 @@ def test_run_seeds_reuses_a_finished_run_whatever_the_path_spelling(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     common.run_seeds("r", [0], objectives=["gspo"], **common.QUICK)
     assert (tmp_path / "r" / "seed0" / "metrics.jsonl").read_bytes() == before
+
+
+def _tidy3(reward_differs: bool) -> pd.DataFrame:
+    """A Figure-3-shaped tidy table: 2 seeds × 3 rollout steps × the four objectives."""
+    rows = []
+    for seed in (0, 1):
+        for obj in figure3.OBJECTIVES:
+            for step in range(3):
+                acc = 0.3 + 0.1 * step + 0.01 * seed
+                vals = {"accuracy": acc, "reward": acc + (0.5 if reward_differs else 0.0),
+                        "entropy": 0.2 - 0.01 * step}
+                vals.update({m: 0.1 for m, _ in figure3.BEYOND if m not in vals})
+                rows += [(f"seed{seed}", obj, seed, step, 100 * (step + 1), m, v)
+                         for m, v in vals.items()]
+    return pd.DataFrame(rows, columns=["run", "objective", "seed", "step", "tokens", "metric", "value"])
+
+
+def test_figure3_draws_reward_only_where_it_differs_from_accuracy():
+    assert [m for m, _ in figure3.main_panels(_tidy3(False))] == ["accuracy", "entropy"]
+    assert [m for m, _ in figure3.main_panels(_tidy3(True))] == ["accuracy", "reward"]
+
+
+def test_figure3_replot_redraws_from_the_csv_without_runs(tmp_path):
+    _tidy3(False).to_csv(tmp_path / "figure3.csv", index=False)
+    (tmp_path / "figure3.json").write_text(json.dumps({"size": {"minibatches": 2}}))
+    assert figure3.main(["--replot", "--out", str(tmp_path)]) == 0
+    for f in ("figure3.png", "figure3_diagnostics.png", "figure3_paired.png"):
+        assert (tmp_path / f).read_bytes()[:4] == b"\x89PNG", f
+    assert not (tmp_path / "runs").exists()

@@ -1,4 +1,4 @@
-"""The fault suite (issue 11): every fault a user can cause gets its documented outcome — a
+"""The fault suite: every fault a user can cause gets its documented outcome — a
 one-line error with the right exit code, or a defined result — and no data is lost."""
 
 import json

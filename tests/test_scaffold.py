@@ -1,4 +1,4 @@
-"""The scaffold task (issue 14): a verifier that requires the long preamble, two equally correct
+"""The scaffold task: a verifier that requires the long preamble, two equally correct
 forms, lengths that vary inside a group, and a shared prefix ≥ 60 % of response tokens."""
 
 import pytest

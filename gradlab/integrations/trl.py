@@ -189,7 +189,7 @@ def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
 
 def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
                    W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
-    """The per-window figures (see the README's key list). Shapes as in `Window`."""
+    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`."""
     sn_all = shared_nodes(batch, "trie" if trie else "prefix")
     sn = sn_all.full_group()
     c = cancellation(W, batch, sn=sn)

@@ -210,7 +210,7 @@ def _current(who: str, log_prob: Tensor) -> _MicroBatch:
     if mb is None:
         raise ValueError(f"{who}: no token/group ids for this loss call; verl passes none to a "
                          "policy loss: call it inside gradlab.integrations.verl.micro_batch("
-                         "responses, uid) (README, section 'verl')")
+                         "responses, uid) (docs/guides/verl.md)")
     if tuple(mb.responses.shape) != tuple(log_prob.shape):
         raise ValueError(f"{who}: micro_batch responses are {tuple(mb.responses.shape)}, "
                          f"log_prob is {tuple(log_prob.shape)}")

@@ -2,7 +2,7 @@
 checkpointing, math verifier. `prepare_run(cfg, model, tok, task)` applies them once, right
 after `load_policy`, and returns the task the loop should draw prompts from.
 
-What gradlab does with a real model folder (README, "Real-scale loop"):
+What gradlab does with a real model folder (docs/guides/real-models.md):
 - weights load as float32 master weights (bf16 folders included); `--amp` autocasts the
   forward passes to bf16 on CUDA, so AdamW updates fp32 weights;
 - attention is PyTorch SDPA; the KV cache and left padding are gradlab's own (rollout.py);

@@ -1,4 +1,4 @@
-"""Resume, exact about its configuration (README "When things go wrong").
+"""Resume, exact about its configuration (docs/reliability.md).
 
 - `gradlab tandem --out DIR --resume` alone continues DIR with DIR/config.json: options not
   typed are the stored ones (`with_stored_config`).

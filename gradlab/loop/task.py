@@ -322,7 +322,7 @@ SCAFFOLD_PREAMBLE = "plan: add the numbers one at a time and keep a running sum.
 
 
 class ScaffoldTask:
-    """Running sums behind a long fixed preamble: a task whose learning tax is large (issue 14).
+    """Running sums behind a long fixed preamble: a task whose learning tax is large.
 
     Prompt ``"7+5+8=?"`` (2..`max_terms` digits 1-9, first ≠ last). The two equally correct
     responses are the preamble then the running sums, form 0 left to right, form 1 right to left:

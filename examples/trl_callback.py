@@ -1,0 +1,64 @@
+"""A TRL GRPO run, instrumented by gradlab: swap the trainer class, add one keyword.
+
+The model is gradlab's shipped tiny Qwen3 (a local folder with a character tokenizer, trained to
+answer `34+57=?` with `so 34+57=91`); the reward is 1 for the right sum. TRL's own loss is
+untouched: gradlab's hook reads W of it, and writes ρ, the residual and the drift once per
+generation batch into TRL's logs (`gradlab/*` keys) and into a run store,
+`<output_dir>/gradlab`, that `gradlab.load_run` reads.
+
+    pip install -e ".[trl]"
+    python examples/trl_callback.py                        # 8 prompts × G = 8, 4 generation batches
+    python examples/trl_callback.py --prompts 2 --G 4 --gens 1 --out /tmp/trl-example
+"""
+
+import argparse
+import random
+import warnings
+
+from datasets import Dataset
+from trl import GRPOConfig
+
+import gradlab
+from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
+from gradlab.loop.policy import load_policy
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed-option notices
+
+
+def arithmetic(n: int, seed: int) -> Dataset:
+    rng = random.Random(seed)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+    return Dataset.from_list([{"prompt": f"{a}+{b}=?", "answer": str(a + b)} for a, b in pairs])
+
+
+def correct_sum(completions: list[str], answer: list[str], **kw) -> list[float]:
+    """1.0 when the text after the last '=' is the sum (TRL passes dataset columns as kw)."""
+    return [float(c.rsplit("=", 1)[-1].strip() == a) for c, a in zip(completions, answer)]
+
+
+def main(prompts: int, G: int, gens: int, out: str) -> None:
+    model, tokenizer = load_policy()              # gradlab/data/default_policy
+    args = GRPOConfig(
+        output_dir=out, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+        num_generations=G, per_device_train_batch_size=prompts * G // 2,
+        steps_per_generation=2, gradient_accumulation_steps=1,   # 2 optimizer steps per batch
+        max_steps=2 * gens, logging_steps=2, learning_rate=1e-3, max_completion_length=14)
+    trainer = GradlabGRPOTrainer(model=model, processing_class=tokenizer,
+                                 reward_funcs=correct_sum, args=args,
+                                 train_dataset=arithmetic(64, seed=0),
+                                 gradlab=GradlabConfig())         # dfpo="orth": DFPO on
+    trainer.train()
+
+    run = gradlab.load_run(f"{out}/gradlab", wide=True)          # one row per generation batch
+    cols = ["step", "rho_prefix", "rho_prefix_step", "split_groups", "shared_fraction"]
+    print(run[cols].to_string(index=False))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8, help="prompts per generation batch")
+    p.add_argument("--G", type=int, default=8, help="completions per prompt")
+    p.add_argument("--gens", type=int, default=4, help="generation batches to train")
+    p.add_argument("--out", default="runs/trl-example", help="TRL output_dir")
+    a = p.parse_args()
+    main(a.prompts, a.G, a.gens, a.out)

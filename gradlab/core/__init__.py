@@ -1,0 +1,1 @@
+"""The science as pure tensor functions: batches, shared nodes, objectives, cancellation."""

@@ -1,0 +1,1 @@
+"""gradlab's own trainer: rollout, optimizer step with probes, run store, resume."""

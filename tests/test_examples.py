@@ -1,0 +1,86 @@
+"""The scripts in examples/ run, at small size, and print what they claim.
+
+Each runs as a user would (`python examples/NAME.py ...`) in a child process, in a temporary
+working directory, with this checkout first on PYTHONPATH."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str, cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def table(out: str, header: str) -> dict[str, list[str]]:
+    """Rows of the whitespace table that starts at the line beginning with `header`."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    return {r.split()[0]: r.split()[1:] for r in lines[start + 1:] if r.strip()}
+
+
+def test_instrument_step(tmp_path):
+    rows = table(run_example("instrument_step.py", "--G", "4", "--tokens", "6", cwd=tmp_path),
+                 "objective")
+    rho, dev, tax = ({k: float(v[i]) for k, v in rows.items()} for i in range(3))
+    assert set(rows) == {"grpo", "gspo", "dfpo-orth"}
+    assert rho["grpo"] < 1e-6 and rho["dfpo-orth"] < 1e-6       # token mean and DFPO cancel
+    assert rho["gspo"] > 1e-2 and tax["gspo"] > 1e-2            # 1/T_i at unequal lengths
+    assert max(dev.values()) < 1e-5                              # hook W = closed form
+
+
+def test_compare_losses(tmp_path):
+    out = run_example("compare_losses.py", "--seeds", "2", cwd=tmp_path)
+    worst = {}
+    for line in out.splitlines()[1:]:
+        loss, regime, rho = line.split()
+        worst[loss, regime] = float(rho)
+    assert len(worst) == 8
+    assert all(v < 1e-9 for (loss, _), v in worst.items() if loss == "token_mean")
+    assert worst["seq_mean", "on"] > 0.05 and worst["seq_mean", "on-eq"] < 1e-9  # lengths only
+
+
+@pytest.mark.parametrize("loss,expect", [("token_mean", "cancels"), ("seq_mean", "residual")])
+def test_compare_losses_with_gradlab_check(tmp_path, loss, expect):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "gradlab", "check", "--no-model", "--loss",
+                        f"{ROOT}/examples/compare_losses.py:{loss}", "--expect", expect],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "all 4 scenarios pass" in p.stdout
+
+
+def test_trl_callback(tmp_path):
+    pytest.importorskip("trl")
+    out = run_example("trl_callback.py", "--prompts", "2", "--G", "4", "--gens", "2",
+                      "--out", "trl", cwd=tmp_path)
+    rows = table(out, " step")
+    assert sorted(rows) == ["0", "1"]                            # one row per generation batch
+    store = [json.loads(x) for x in (tmp_path / "trl" / "gradlab" / "metrics.jsonl").open()]
+    stored = {r["step"]: r["rho_prefix"] for r in store if "rho_prefix" in r}
+    for step, values in rows.items():
+        assert float(values[0]) == pytest.approx(stored[int(step)], abs=1e-6)
+        assert 0 <= float(values[0]) <= 1
+
+
+def test_plot_run(tmp_path):
+    out = run_example("plot_run.py", "--steps", "2", "--out", "plot.png", cwd=tmp_path)
+    png = tmp_path / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    printed = table(out, "objective")
+    printed.pop("wrote")
+    store = [json.loads(x) for x in (tmp_path / "runs/plot-example/metrics.jsonl").open()]
+    last = max(r["step"] for r in store)
+    for r in (r for r in store if r["step"] == last):
+        assert float(printed[r["objective"]][1]) == pytest.approx(r["rho_prefix"], rel=1e-5)
+    assert set(printed) == {"gspo", "dfpo-min"}
