@@ -205,19 +205,22 @@ def test_audit_quick_end_to_end(tmp_path, capsys):
     assert "| loss_type |" in (tmp_path / "trl_audit.md").read_text()
 
 
-def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path):
+@pytest.mark.parametrize("loss_type, level, form, reweight, scale", [
+    ("dapo", "token", "ga+la", "sqrt", None), ("grpo", "sequence", "togo", "none", "none")])
+def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path, loss_type, level,
+                                                                 form, reweight, scale):
     """loss="ibpo[...]": TRL's loss runs on (B, T) IBPO advantages computed from the rewards TRL
-    logged; the hook's W is bitwise the autograd gradient of that loss, and gradlab's token-level
-    GRPO closed form on the same advantages agrees."""
+    logged; the hook's W is bitwise the autograd gradient of that loss, and (dapo) gradlab's
+    token-level GRPO closed form on the same advantages agrees."""
     from gradlab.core.credit import reward_scale
 
-    spec = "ibpo[form=ga+la,reweight=sqrt]"
+    spec = f"ibpo[form={form},reweight={reweight}" + (f",scale={scale}]" if scale else "]")
     gl = GradlabConfig(store=str(tmp_path / "store"), keep_windows=True, loss=spec)
-    tr = run(tmp_path, "dapo", "token", spg=2, gens=1, cls=Capturing, lr=3e-3, gl=gl)
+    tr = run(tmp_path, loss_type, level, spg=2, gens=1, cls=Capturing, lr=3e-3, gl=gl)
     w = tr.gradlab_window
     R = torch.tensor(list(tr._logs["rewards"][tr.reward_func_names[0]]))  # TRL's own record
-    A = gradlab.process_advantages(w.batch.tokens, w.batch.mask, w.batch.group, R, "ga+la", "sqrt")
-    A = A / reward_scale(R, w.batch.group, "group", eps=1e-4).unsqueeze(-1)
+    A = gradlab.process_advantages(w.batch.tokens, w.batch.mask, w.batch.group, R, form, reweight)
+    A = A / reward_scale(R, w.batch.group, scale or "group", eps=1e-4).unsqueeze(-1)
     torch.testing.assert_close(w.batch.advantages, A, rtol=1e-6, atol=1e-7)
     assert bool(((A != A[:, :1]) & w.batch.mask).any())  # token-level on this batch
     grpo = objectives.get("grpo", eps=(tr.epsilon_low, tr.epsilon_high), norm="token")
@@ -235,10 +238,11 @@ def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path):
                        logps=w.batch.logps[rows], old_logps=w.batch.old_logps[rows],
                        advantages=A[rows], group=w.batch.group[rows],
                        n_tokens=n_tok // spg)
-        torch.testing.assert_close(grpo.modulation(b), W_ref, rtol=1e-4, atol=1e-9)
+        if loss_type == "dapo":
+            torch.testing.assert_close(grpo.modulation(b), W_ref, rtol=1e-4, atol=1e-9)
     assert not torch.equal(w.batch.logps, w.batch.old_logps)  # the 2nd call is off-policy
     df = gradlab.load_run(tmp_path / "store")
-    assert set(df.objective) == {f"trl-dapo-token+{spec}"}
+    assert set(df.objective) == {f"trl-{loss_type}-{level}+{spec}"}
 
 
 def test_ibpo_loss_refuses_what_it_cannot_do():
