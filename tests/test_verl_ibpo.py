@@ -1,6 +1,7 @@
 """verl integration of IBPO: the `gradlab_ibpo*` advantage estimators in verl's registry.
 
-Like tests/test_verl.py, the cases run in a child python that sees .verl-site (.ci/run makes it).
+Like tests/test_verl.py, the cases run in a child python that sees .verl-site (.ci/run makes it);
+the child runs with VERL_USE_EXTERNAL_MODULES=gradlab.integrations.verl, as verl's processes do.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("GRADLAB_VERL_SITE", ROOT / ".verl-site"))
+EXTERNAL = "gradlab.integrations.verl"
 try:
     from verl.trainer.ppo import core_algos
 
     HAVE_VERL = True
+    # before this file imports gradlab's verl module itself: did `import verl` register ours?
+    REGISTERED_BY_VERL_IMPORT = "gradlab_ibpo" in core_algos.ADV_ESTIMATOR_REGISTRY
 except ImportError:
     HAVE_VERL = False
 
@@ -34,7 +38,7 @@ def test_verl_ibpo_cases_in_verl_env():
     if not (SITE / "verl").is_dir():
         pytest.skip(f"verl not installed: no {SITE}/verl (the verl block of .ci/run makes it)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "VERL_USE_EXTERNAL_MODULES": EXTERNAL}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-W", "ignore::UserWarning", str(Path(__file__))], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
@@ -91,6 +95,8 @@ def _verl_compute_advantage():
 
 @needs_verl
 def test_import_registers_every_estimator_and_the_hooks():
+    if EXTERNAL in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","):
+        assert REGISTERED_BY_VERL_IMPORT  # verl's own import of its external modules did it
     import gradlab.integrations.verl  # noqa: F401
     from gradlab.integrations import verl_ibpo as vi
 
