@@ -203,3 +203,55 @@ def test_audit_quick_end_to_end(tmp_path, capsys):
     assert (dfpo.rho < 1e-5).all()
     assert df[(df.loss_type == "dr_grpo") & (df.policy == "on")].rho.iloc[0] < 1e-5
     assert "| loss_type |" in (tmp_path / "trl_audit.md").read_text()
+
+
+@pytest.mark.parametrize("loss_type, level, form, reweight, scale", [
+    ("dapo", "token", "ga+la", "sqrt", None), ("grpo", "sequence", "togo", "none", "none")])
+def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path, loss_type, level,
+                                                                 form, reweight, scale):
+    """loss="ibpo[...]": TRL's loss runs on (B, T) IBPO advantages computed from the rewards TRL
+    logged; the hook's W is bitwise the autograd gradient of that loss, and (dapo) gradlab's
+    token-level GRPO closed form on the same advantages agrees."""
+    from gradlab.core.credit import reward_scale
+
+    spec = f"ibpo[form={form},reweight={reweight}" + (f",scale={scale}]" if scale else "]")
+    gl = GradlabConfig(store=str(tmp_path / "store"), keep_windows=True, loss=spec)
+    tr = run(tmp_path, loss_type, level, spg=2, gens=1, cls=Capturing, lr=3e-3, gl=gl)
+    w = tr.gradlab_window
+    R = torch.tensor(list(tr._logs["rewards"][tr.reward_func_names[0]]))  # TRL's own record
+    A = gradlab.process_advantages(w.batch.tokens, w.batch.mask, w.batch.group, R, form, reweight)
+    A = A / reward_scale(R, w.batch.group, scale or "group", eps=1e-4).unsqueeze(-1)
+    torch.testing.assert_close(w.batch.advantages, A, rtol=1e-6, atol=1e-7)
+    assert bool(((A != A[:, :1]) & w.batch.mask).any())  # token-level on this batch
+    grpo = objectives.get("grpo", eps=(tr.epsilon_low, tr.epsilon_high), norm="token")
+    # dapo divides by the generation batch's tokens × grad_accum / steps_per_generation (TRL)
+    n_tok, spg = int(w.batch.mask.sum()), tr.args.steps_per_generation
+    assert tr.args.gradient_accumulation_steps == 1 and n_tok % spg == 0
+    assert len(tr.captured) == 2
+    for state, inputs in tr.captured:
+        rows = inputs[ROW_KEY]
+        assert inputs["advantages"].shape == inputs["completion_ids"].shape
+        W_ref = trl_autograd_W(tr, state, inputs)
+        assert W_ref.abs().max() > 0
+        assert torch.equal(w.W[rows], W_ref)  # bitwise
+        b = TokenBatch(tokens=w.batch.tokens[rows], mask=w.batch.mask[rows],
+                       logps=w.batch.logps[rows], old_logps=w.batch.old_logps[rows],
+                       advantages=A[rows], group=w.batch.group[rows],
+                       n_tokens=n_tok // spg)
+        if loss_type == "dapo":
+            torch.testing.assert_close(grpo.modulation(b), W_ref, rtol=1e-4, atol=1e-9)
+    assert not torch.equal(w.batch.logps, w.batch.old_logps)  # the 2nd call is off-policy
+    df = gradlab.load_run(tmp_path / "store")
+    assert set(df.objective) == {f"trl-{loss_type}-{level}+{spec}"}
+
+
+def test_ibpo_loss_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="repair needs repair rollouts"):
+        GradlabConfig(loss="ibpo[form=repair]")
+    with pytest.raises(ValueError, match="parameter 'eps' not valid here.*TRL's own"):
+        GradlabConfig(loss="ibpo[eps=0.2]")
+    with pytest.raises(ValueError, match="valid: None .* or 'ibpo"):
+        GradlabConfig(loss="grpo")
+    with pytest.raises(ValueError, match="IBPO gives one per token"):
+        GradlabConfig(loss="ibpo", dfpo="orth")
+    assert GradlabConfig(loss="ibpo[form=togo, scale=none]").ibpo.form == "togo"

@@ -22,6 +22,11 @@ DFPO drop-in: `DFPOGradientTransform` on the same log-probs (w = W/A: any TRL lo
 beta = 0). Each group must be whole inside one loss call: with dfpo set, TRL's row shuffle is
 replaced by a group shuffle, so micro-batches hold whole groups when per_device_train_batch_size
 is a multiple of num_generations; a group cut anyway (e.g. across processes) raises.
+
+IBPO: `GradlabConfig(loss="ibpo[form=togo]")` replaces TRL's (B,) advantages of each training
+generation batch by (B, T) IBPO token advantages from the rewards TRL computed (captured from
+`_calculate_rewards`) and the completion ids, per reconstructed group (`trl_ibpo`); TRL's own
+`_compute_loss` runs on them and the hook measures its W. One process; not with DFPO.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ..core.nodes import NODE_KINDS, SharedNodes, shared_nodes
 from ..loop.store import RunStore
 from ..loop.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
+from .trl_ibpo import IBPOLoss, check_trainer, parse_loss, trainer_advantages
 from .trl_resume import ResumeMixin, open_store
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
@@ -61,6 +67,8 @@ class GradlabConfig:
     objective: label in the run store (default "trl-<loss_type>-<level>[+dfpo-<t>]").
     trace_every, trace_groups: token traces (gradlab.load_traces) of every k-th measured window
         for that many groups, in the run store (0 = none).
+    loss: None (TRL's GRPO advantages) or "ibpo[form=..., reweight=..., scale=...]": IBPO token
+        advantages fed to TRL's loss (module doc; `gradlab.integrations.trl_ibpo`).
     """
 
     store: str | None = "auto"
@@ -74,6 +82,7 @@ class GradlabConfig:
     resume: bool = False
     trace_every: int = 1
     trace_groups: int = 2
+    loss: str | None = None
 
     def __post_init__(self) -> None:
         for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
@@ -84,6 +93,15 @@ class GradlabConfig:
         if min(self.trace_every, self.trace_groups) < 0:
             raise ValueError(f"GradlabConfig: trace_every={self.trace_every}, trace_groups="
                              f"{self.trace_groups}; valid: ≥ 0 (0 = no traces)")
+        if self.loss is not None:
+            parse_loss(self.loss)
+            if self.dfpo is not None:
+                raise ValueError(f"GradlabConfig: loss={self.loss!r} with dfpo={self.dfpo!r}; DFPO "
+                                 "needs one advantage per sequence, IBPO gives one per token")
+
+    @property
+    def ibpo(self) -> IBPOLoss | None:
+        return None if self.loss is None else parse_loss(self.loss)
 
 
 @dataclass
@@ -239,6 +257,8 @@ class GradlabMixin(ResumeMixin):
         if getattr(a, "use_liger_kernel", False):
             raise ValueError("gradlab: use_liger_kernel=True computes TRL's loss fused, without "
                              "per-token log-probs, so no hook can see W; set it to False")
+        if self.gradlab.loss is not None:
+            check_trainer(self, self.gradlab.loss)
         if self.gradlab.dfpo is None:
             return
         if self.beta != 0.0:
@@ -258,7 +278,7 @@ class GradlabMixin(ResumeMixin):
         if g.objective:
             return g.objective
         base = f"trl-{self.loss_type}-{self.importance_sampling_level}"
-        return base + (f"+dfpo-{g.dfpo}" if g.dfpo else "")
+        return base + (f"+dfpo-{g.dfpo}" if g.dfpo else "") + (f"+{g.loss}" if g.loss else "")
 
     def _gl_make_store(self) -> RunStore | None:
         path = self.gradlab.store
@@ -270,6 +290,11 @@ class GradlabMixin(ResumeMixin):
                                  "objective": self._gl_label()}, self.gradlab.resume)
 
     # --- TRL overrides -----------------------------------------------------------------
+    def _calculate_rewards(self, *args, **kwargs):
+        out = super()._calculate_rewards(*args, **kwargs)  # (B, n_funcs), all processes
+        self._gl_rewards = out
+        return out
+
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
@@ -278,6 +303,9 @@ class GradlabMixin(ResumeMixin):
             out[ROW_KEY] = torch.arange(cids.shape[0], device=cids.device)
             out[GROUP_KEY] = group
             mask = _loss_mask(out)
+            if self.gradlab.loss is not None:
+                A = trainer_advantages(self, self._gl_rewards, cids, mask, group)
+                out["advantages"] = A.to(out["advantages"].dtype)
             self._gl_gen = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
                             "tokens": cids, "mask": mask, "advantages": out["advantages"],
                             "group": group}

@@ -11,6 +11,9 @@ one registered later):
 
 verl selects one with `actor_rollout_ref.actor.policy_loss.loss_mode=gradlab_measure:vanilla`; the
 module must be imported in every worker: `VERL_USE_EXTERNAL_MODULES=gradlab.integrations.verl`.
+It also registers the IBPO advantage estimators `gradlab_ibpo[:<form>[:sqrt]]`
+(`algorithm.adv_estimator=gradlab_ibpo:togo`) and feeds them the response token ids, which verl
+does not pass to an estimator: `gradlab.integrations.verl_ibpo`.
 
 What verl does not pass: a policy loss receives (old_log_prob, log_prob, advantages,
 response_mask, loss_agg_mode, config, rollout_is_weights), all (B, T), and no token ids or group
@@ -383,5 +386,7 @@ for _base in base_losses():
     register(_base)
 
 from .verl_actor import install as _install  # noqa: E402 (needs the names above)
+from .verl_ibpo import install as _install_ibpo  # noqa: E402
 
 _install(sys.modules[__name__])  # verl's actor loss → gradlab_ppo_loss, which supplies micro_batch(...) (verl_actor)
+_install_ibpo()  # the gradlab_ibpo advantage estimators and their token-id feed (verl_ibpo)

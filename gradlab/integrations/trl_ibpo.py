@@ -1,0 +1,87 @@
+"""IBPO token advantages for TRL's `GRPOTrainer` (trie reading, *ours*: MATH.md §6a).
+
+`GradlabConfig(loss="ibpo[form=togo,reweight=sqrt]")`: after TRL scores a generation batch, its
+(B,) GRPO advantages are replaced by (B, T) IBPO token advantages computed from the same
+rewards (Σ_k weight_k · reward_k, the rewards TRL logs) and the completion token ids, per group;
+TRL's `_compute_loss` takes (B, T) advantages as they are, so the loss that runs is TRL's own
+`loss_type` / `importance_sampling_level` on A_{i,t}. Parameters: form ga | la | ga+la (default)
+| togo, reweight none | sqrt, scale group | batch | none (default: TRL's `scale_rewards`, whose
+divisor is gradlab's `reward_scale` with TRL's eps 1e-4). The repair form needs repair rollouts,
+which TRL does not make; base, eps and norm belong to TRL's loss (`loss_type`, `epsilon`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core import variants
+from ..core.batch import ADVANTAGE_SCALES
+from ..core.credit import FORMS, REWEIGHTS, process_advantages, reward_scale
+
+TRL_EPS = 1e-4  # TRL's (R − mean) / (std + 1e-4)
+
+
+@dataclass(frozen=True)
+class IBPOLoss:
+    """A parsed `ibpo[...]` loss: trie form, reweight, scale (None = TRL's scale_rewards)."""
+
+    form: str = "ga+la"
+    reweight: str = "none"
+    scale: str | None = None
+
+    def token_advantages(self, tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor,
+                         scale_rewards: str) -> Tensor:
+        """(B, T) A_{i,t} = process_advantages ÷ reward_scale, 0 where mask is False.
+
+        tokens (B, T) long completion ids, mask (B, T) bool, group (B,) long, rewards (B,)."""
+        A = process_advantages(tokens, mask, group, rewards, self.form, self.reweight)
+        div = reward_scale(rewards, group, self.scale or scale_rewards, eps=TRL_EPS)
+        return A / div.to(A.dtype).unsqueeze(-1)
+
+
+def parse_loss(spec: str) -> IBPOLoss:
+    """'ibpo' or 'ibpo[form=togo, reweight=sqrt, scale=none]' → IBPOLoss; ValueError naming the
+    fault otherwise."""
+    name, params = variants.parse(spec)
+    if name != "ibpo":
+        raise ValueError(f"GradlabConfig: loss={spec!r}; valid: None (TRL's own advantages) or "
+                         "'ibpo[form=..., reweight=..., scale=...]'")
+    valid = {"form": FORMS, "reweight": REWEIGHTS, "scale": ADVANTAGE_SCALES}
+    for key, val in params.items():
+        if key not in valid:
+            why = ("TRL makes no repair rollouts" if key == "lam" else
+                   "the loss is TRL's own (loss_type, importance_sampling_level, epsilon)")
+            raise ValueError(f"GradlabConfig: loss={spec!r}: parameter {key!r} not valid here "
+                             f"({why}); valid: {sorted(valid)}")
+        if val not in valid[key]:
+            extra = " (repair needs repair rollouts, which TRL does not make)" if val == "repair" else ""
+            raise ValueError(f"GradlabConfig: loss={spec!r}: {key}={val!r}; valid: "
+                             f"{valid[key]}{extra}")
+    return IBPOLoss(**params)
+
+
+def check_trainer(trainer, loss: str) -> None:
+    """Refuse trainer settings IBPO cannot serve (one-line errors naming them)."""
+    if trainer.accelerator.num_processes > 1:
+        raise ValueError(f"gradlab loss={loss!r}: one process only (a group's completions are "
+                         "spread over processes, the trie needs them all)")
+    if trainer.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(f"gradlab loss={loss!r}: multi_objective_aggregation="
+                         f"{trainer.multi_objective_aggregation!r}; IBPO reads the summed "
+                         "rewards: use 'sum_then_normalize'")
+
+
+def trainer_advantages(trainer, per_func: Tensor, tokens: Tensor, mask: Tensor,
+                       group: Tensor) -> Tensor:
+    """(B, T) IBPO token advantages of a generation batch from TRL's rewards per function
+    (B, n_funcs) (R = Σ_k weight_k · reward_k, as TRL sums them), with `trainer.gradlab.loss`."""
+    R = (per_func * trainer.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+    bad = torch.isnan(per_func).all(dim=1).nonzero()
+    if bad.numel():
+        raise ValueError(f"gradlab loss={trainer.gradlab.loss!r}: completion {int(bad[0])} has "
+                         "no reward (every reward function returned None); IBPO needs one")
+    return trainer.gradlab.ibpo.token_advantages(tokens, mask, group.to(R.device), R,
+                                                 trainer.scale_rewards)
