@@ -176,7 +176,7 @@ def test_micro_batches_pack_groups_of_varying_size():
     assert [p.tolist() for p in micro_batches(fixed, 8)] == [list(range(8)), list(range(8, 16))]
 
 
-ARGS = ["--objectives", "grpo,dfpo-min", "--prompts", "4", "--G", "4", "--minibatches", "2",
+ARGS = ["--objectives", "dfpo-min", "--prompts", "4", "--G", "4", "--minibatches", "2",
         "--tax-every", "1", "--probe-contexts", "4", "--no-progress", "--eval-every", "0",
         "--ckpt-every", "1"]
 
