@@ -161,6 +161,12 @@ def write_md(df: pd.DataFrame, mo: dict, a) -> None:
               "at lr 3e-3 on the first 4; float64 model; tests/test_fair.py's procedure):", ""]
     lines += [f"- {lab}: full-group nodes {v['prefix']:.3g}, trie nodes {v['trie']:.3g}"
               for lab, v in mo.items()]
+    lines += ["", "Why repair layouts do not raise the count: a repair departs from the incorrect "
+              "response where its reference (a correct response of the group) already parts from "
+              "it, so that trie node already has children of different mean reward; a repair adds "
+              "a node only where its own continuation later leaves the reference, and its sampled "
+              "tokens (failed tries included) add to the denominator. What a repair adds is the "
+              "(incorrect, corrected) pair and its edited tokens, which this count does not see."]
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

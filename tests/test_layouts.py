@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradlab
-from gradlab.loop.layouts import _trie_points, layout_sums
+from gradlab.loop.layouts import _trie_points, batch_repair_of, layout_sums
 from gradlab.loop.logprobs import positions, token_logps
 from gradlab.loop.policy import load_policy
 from gradlab.loop.repair import edited_span, first_departure, generate_repair, repair_plan
@@ -164,6 +164,13 @@ def test_trie_points_and_layout_sums():
     assert s == {"distinct_responses": 4, "duplicate_responses": 1, "branch_points": 2,
                  "informative_points": 2, "branch_depth_sum": 3, "generated_tokens": 12 + 4,
                  "trained_tokens": 14, "repairs_tried": 2, "repairs_kept": 1, "edited_tokens": 1}
+
+
+def test_batch_repair_of_reindexes_into_the_batch():
+    rep = torch.tensor([-1, -1, 0, -1, -1, 3, 4])  # rows 2 and 5, 6 repair rows 0 and 3, 4
+    assert batch_repair_of(rep, torch.tensor([3, 4, 5, 6])).tolist() == [-1, -1, 0, 1]
+    assert batch_repair_of(rep, torch.tensor([2, 0])).tolist() == [1, -1]
+    assert batch_repair_of(None, torch.tensor([0])) is None
 
 
 def test_micro_batches_pack_groups_of_varying_size():

@@ -54,6 +54,18 @@ def sample_layout(cfg, model, tok, problems: list, task, keys: torch.Tensor) -> 
                     row_keys=keys)
 
 
+def batch_repair_of(repair_of: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """`Rollout.repair_of` (N,) re-indexed for a batch of rollout rows `rows` (B,): position in
+    `rows` of the row each repair corrects; −1 for non-repairs and for a repair whose original
+    is not among `rows` (groups stay whole in a step and a micro-batch, so it always is)."""
+    if repair_of is None:
+        return None
+    pos = torch.full_like(repair_of, -1)
+    pos[rows] = torch.arange(rows.numel(), device=rows.device)
+    r = repair_of[rows]
+    return torch.where(r >= 0, pos[r.clamp(min=0)], -1)
+
+
 def _trie_points(seqs: list[tuple], rewards: list[float]) -> tuple[int, int, int]:
     """(branch points, informative ones, Σ their depths) of one group's prefix trie."""
     root: dict = {}

@@ -20,8 +20,7 @@ full-vocabulary log π_old(y_t | prefix), which is what `token_logps` recomputes
 sampling distribution was q = π_old/(1 − π_old(y_parent)) instead: the ratio is not the
 importance weight to q, and a loss that treats the group as i.i.d. samples of π_old is biased at
 that one position per branch (the excluded token is carried by the parent row itself). The
-row's `branch_at` marks the position; `Rollout.branch_logq` would be old_logps − log(1 −
-π_old(y_parent)) there.
+row's `branch_at` marks the position; log q there is old_logps − log(1 − π_old(y_parent)).
 
 KV reuse: a child never recomputes its prefix. Its cache is the parent's cache rows
 (`index_select` over the batch dimension) with the columns after the prefix masked out; the
@@ -279,6 +278,7 @@ def generate_tree(model, tokenizer, problems: list, G: int, max_new_tokens: int,
                 parts.append(_children(model, parts[d - 1], shape, js, where, g, k, keys,
                                        pids, pmask, branch_at, branch_token, max_new_tokens,
                                        temperature, stops, n_vocab))
+                parts[d - 1].cache = None  # its children are made: free its KV cache
     finally:
         model.train(was_training)
     return _tree_rollout(tokenizer, stops, problems, pids, pmask, parts, shape, where, G,
