@@ -47,18 +47,13 @@ def test_tree_shape_breadth_first():
     assert [p for _, p, _ in tree_shape(4, 4, 3)] == [-1] * 4  # roots only
 
 
-@pytest.mark.parametrize("branch_token", ["sample", "alternative"])
-def test_kv_reuse_equals_recomputation(setup, branch_token):
+def _check_children(model, tok, ro, keys, T, alternative):
     """Every branched row, re-sampled with its whole prefix fed from scratch (no cache), draws
     the same tokens with the same log-probs; old_logps equal token_logps' recomputation."""
-    model, tok, task, problems, keys = setup
-    ro = _tree(setup, branch_token=branch_token, branch_at="uniform")
-    T, stops = task.max_new_tokens, stop_ids(model, tok)
+    stops = stop_ids(model, tok)
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
     torch.testing.assert_close(lp.detach(), ro.old_logps, atol=5e-5, rtol=0)
-    children = (ro.parent >= 0).nonzero().squeeze(-1)
-    assert children.numel() == len(problems) * (G - 2)
-    for c in children.tolist():
+    for c in (ro.parent >= 0).nonzero().squeeze(-1).tolist():
         p, t = int(ro.parent[c]), int(ro.branch_at[c])
         assert torch.equal(ro.response_ids[c, :t], ro.response_ids[p, :t])  # the shared prefix
         pm = ro.prompt_mask[c]
@@ -66,16 +61,48 @@ def test_kv_reuse_equals_recomputation(setup, branch_token):
         fm = torch.ones_like(feed, dtype=torch.bool)
         pre = torch.zeros(1, T, dtype=torch.long)
         pre[0, :t] = ro.response_ids[c, :t]
-        ex = ro.response_ids[p, t].view(1) if branch_token == "alternative" else None
+        ex = ro.response_ids[p, t].view(1) if alternative else None
         ref = decode(model, feed, fm, positions(fm), None, fm[:, :0], feed[:, :0],
                      torch.tensor([t]), keys[c].view(1), (pre, torch.zeros(1, T), torch.zeros(1, T)),
                      ex, T, 1.0, stops, len(tok))
         L = int(ro.lengths[c])
         assert int(ref.lengths[0]) == L and torch.equal(ref.tokens[0, t:L], ro.response_ids[c, t:L])
         torch.testing.assert_close(ref.logps[0, t:L], ro.old_logps[c, t:L], atol=1e-5, rtol=0)
-        if branch_token == "alternative":
+        if alternative:
             assert ro.response_ids[c, t] != ro.response_ids[p, t]  # a different decision
         assert int(ro.generated[c]) == L - t
+
+
+@pytest.mark.parametrize("branch_token", ["sample", "alternative"])
+def test_kv_reuse_equals_recomputation(setup, branch_token):
+    model, tok, task, problems, keys = setup
+    ro = _tree(setup, branch_token=branch_token, branch_at="uniform")
+    assert int((ro.parent >= 0).sum()) == len(problems) * (G - 2)
+    _check_children(model, tok, ro, keys, task.max_new_tokens, branch_token == "alternative")
+
+
+def test_kv_reuse_at_real_vocabulary_with_sdpa():
+    """A 151,936-row Qwen3 with SDPA attention and a 99-id tokenizer (the padded ids hold ~all
+    the mass of a random init): no padded id is sampled, and KV reuse equals recomputation."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gradlab.loop.policy import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen3Config(vocab_size=151_936, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=128, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        model = Qwen3ForCausalLM(cfg).eval()
+    probs = ArithmeticTask().problems(2, seed=0)
+    keys = torch.arange(8)
+    ro = generate_tree(model, tok, probs, 4, 6, 1.0, keys, roots=1, branches=3,
+                       branch_token="alternative")
+    assert int(ro.response_ids.max()) < len(tok)
+    _check_children(model, tok, ro, keys, 6, True)
 
 
 def test_tree_is_deterministic_layout_independent_and_roots_match_independent(setup):
