@@ -237,15 +237,37 @@ def test_layout_resume_equals_uninterrupted(tmp_path, layout):
     assert (w["generated_tokens"] > 0).all() and (w["branch_points_per_group"] > 0).all()
     if "repair" in layout:
         assert (w["trained_tokens"] > w["length"] * 4 * 4).all()  # repairs are trained on
+    # traces and the viewer: each branched / repair row names its row and where it leaves it
+    t = gradlab.load_traces(full, step=0)
+    t = t[t["opt_step"] == t.groupby("group")["opt_step"].transform("min")]
+    checked = 0
+    for (g, row), d in t.groupby(["group", "row"]):
+        p, at = int(d["parent"].iloc[0]), int(d["branch_at"].iloc[0])
+        if p < 0:
+            continue
+        mine = d.set_index("position")["token_id"]
+        other = t[(t["group"] == g) & (t["row"] == p)].set_index("position")["token_id"]
+        assert (mine.loc[: at - 1] == other.loc[: at - 1]).all()  # re-sampled from `at` on
+        if "alternative" in layout:
+            assert mine.loc[at] != other.get(at)
+        checked += 1
+    assert checked > 0
+    from gradlab.viz.html import view
+
+    assert "\\u21b3" in view(full).read_text()
 
 
-@pytest.mark.parametrize("layout", [["--rollout", "tree", "--branch-at", "uniform"],
-                                    ["--rollout", "repair"]])
-def test_two_ranks_equal_one_process(tmp_path, layout):
+@pytest.mark.parametrize("layout,ranks", [
+    (["--rollout", "tree", "--branch-at", "uniform"], []),  # DDP
+    (["--rollout", "repair", "--micro-batch", "4", "--branch-token", "alternative"], ["--fsdp"]),
+])
+def test_two_ranks_equal_one_process(tmp_path, layout, ranks):
+    """Two ranks (DDP; FSDP with micro-batches of repaired groups, whose sizes vary, so ranks
+    run uneven passes) against one process: the same groups, accounting and updates."""
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run(_cli(one, "--steps", "2", *layout), env=ENV, check=True, capture_output=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "gradlab", "tandem", "--out", str(two), *ARGS, "--steps", "2", *layout]
+           "-m", "gradlab", "tandem", "--out", str(two), *ARGS, "--steps", "2", *layout, *ranks]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     wa, wb = gradlab.load_run(one, wide=True), gradlab.load_run(two, wide=True)
