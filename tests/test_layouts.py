@@ -254,7 +254,8 @@ def test_layout_resume_equals_uninterrupted(tmp_path, layout):
     assert checked > 0
     from gradlab.viz.html import view
 
-    assert "\\u21b3" in view(full).read_text()
+    page = view(full).read_text()
+    assert "\u21b3" in page and '"parent":[-1,' in page  # the marker and the column
 
 
 @pytest.mark.parametrize("layout,ranks", [
