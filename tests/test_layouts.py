@@ -241,7 +241,7 @@ def test_layout_resume_equals_uninterrupted(tmp_path, layout):
     t = gradlab.load_traces(full, step=0)
     t = t[t["opt_step"] == t.groupby("group")["opt_step"].transform("min")]
     checked = 0
-    for (g, row), d in t.groupby(["group", "row"]):
+    for (g, _row), d in t.groupby(["group", "row"]):
         p, at = int(d["parent"].iloc[0]), int(d["branch_at"].iloc[0])
         if p < 0:
             continue

@@ -163,7 +163,7 @@ def _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, pla
     """Group-major rows: each group's sampled rows, then its repairs (module docstring)."""
     dev = pids.device
     G = int((group == 0).sum())
-    pick, src, repair_of, branch_at, new = [], [], [], [], []
+    pick, src, repair_of, branch_at = [], [], [], []
     d_of = {i: d for i, _, d in plan}
     for g in range(int(group.max()) + 1 if group.numel() else 0):
         first = len(pick)

@@ -26,13 +26,13 @@ from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .fsdp import full_checkpoint, gathered, rebuild_optimizer
 from .heldout import TrainSplit, eval_problems, evaluate_heldout
+from .layouts import sample_layout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
 from .probeset import probe_metrics, probe_set
 from .realmodel import format_problems, prepare_run
 from .resume import restore
-from .layouts import sample_layout
 from .rollout import Rollout
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore

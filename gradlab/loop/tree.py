@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .logprobs import positions as _positions
-from .rollout import _MIX1, _MIX2, _GOLD, _inverse_cdf, _srl, hashed_uniform
+from .rollout import _GOLD, _MIX1, _MIX2, _inverse_cdf, _srl, hashed_uniform
 
 BRANCH_AT = ("entropy", "uniform")
 BRANCH_TOKEN = ("sample", "alternative")
