@@ -52,6 +52,7 @@ LAYOUTS = {  # label -> RunConfig options
 def rollouts(task_name: str, opts: dict, steps: int, prompts: int, seed: int):
     """The loop's rollouts of steps 0..steps−1 (one learner, no update between them)."""
     cfg = RunConfig(task=task_name, G=8, prompts=prompts, seed=seed, threads=1, probes=False,
+                    minibatches=1,
                     **opts)
     task = get_task(task_name)
     model, tok = load_policy(task=task)
@@ -94,7 +95,7 @@ def _dups(ro) -> int:
     return n
 
 
-def min_vs_orth(seed: int, opts: dict) -> dict:
+def min_vs_orth(seed: int, opts: dict, prompts: int = 8) -> dict:
     """‖g_min − g_orth‖ / ‖g_orth‖ on a real off-policy minibatch of a tree (or independent)
     rollout: tests/test_fair.py's procedure (float64 model one GSPO step past the sampler at
     lr 3e-3, gradient on the other half of the groups), at full-group and at trie nodes."""
@@ -102,10 +103,11 @@ def min_vs_orth(seed: int, opts: dict) -> dict:
 
     from gradlab.testing import optimizer_step_on
 
-    ros, model = rollouts("arithmetic", opts, 1, 8, seed)
+    ros, model = rollouts("arithmetic", opts, 1, prompts, seed)
     ro = ros[0]
     adv = advantages(ro.rewards, ro.group)
-    first, second = (ro.group < 4).nonzero()[:, 0], (ro.group >= 4).nonzero()[:, 0]
+    half = prompts // 2
+    first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
     stepped = copy.deepcopy(model)
     optimizer_step_on(stepped, ro, first, adv, objectives.get("gspo").loss, lr=3e-3)
     m = stepped.double()
@@ -117,13 +119,16 @@ def min_vs_orth(seed: int, opts: dict) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="1 step × 2 prompts (seconds; tests)")
     p.add_argument("--out", default=str(ROOT / "figures" / "rollout_layouts"))
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.prompts = 1, 2
     torch.set_num_threads(1)
     rows = measure("arithmetic", a.steps, a.prompts, a.seed) + \
         measure("scaffold", a.steps, a.prompts, a.seed)
@@ -131,9 +136,10 @@ def main() -> None:
     base = df[df.layout == "independent"].set_index("task")["informative_per_1k"]
     df["informative_vs_independent"] = df["informative_per_1k"] / df["task"].map(base)
     df.to_csv(a.out + ".csv", index=False)
-    mo = {lab: min_vs_orth(a.seed, LAYOUTS[lab])
+    mo = {lab: min_vs_orth(a.seed, LAYOUTS[lab], 4 if a.quick else 8)
           for lab in ("independent", "tree alternative", "tree star alternative")}
     write_md(df, mo, a)
+    return 0
 
 
 def write_md(df: pd.DataFrame, mo: dict, a) -> None:
@@ -157,8 +163,9 @@ def write_md(df: pd.DataFrame, mo: dict, a) -> None:
         lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v)
                                         for v in r.tolist()) + " |")
     lines += ["", "Min-Replace vs Orth-Proj, ‖g_min − g_orth‖ / ‖g_orth‖ on a real off-policy "
-              "minibatch (arithmetic, 8 prompts × G = 8, the second 4 groups after one GSPO step "
-              "at lr 3e-3 on the first 4; float64 model; tests/test_fair.py's procedure):", ""]
+              f"minibatch (arithmetic, seed {a.seed}, {4 if a.quick else 8} prompts × G = 8, the "
+              "second half of the groups after one GSPO step at lr 3e-3 on the first half; float64 "
+              "model; tests/test_fair.py's procedure):", ""]
     lines += [f"- {lab}: full-group nodes {v['prefix']:.3g}, trie nodes {v['trie']:.3g}"
               for lab, v in mo.items()]
     lines += ["", "Why repair layouts do not raise the count: a repair departs from the incorrect "
@@ -172,4 +179,4 @@ def write_md(df: pd.DataFrame, mo: dict, a) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -198,3 +198,23 @@ def test_run_seeds_reuses_a_finished_run_whatever_the_path_spelling(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     common.run_seeds("r", [0], objectives=["gspo"], **common.QUICK)
     assert (tmp_path / "r" / "seed0" / "metrics.jsonl").read_bytes() == before
+
+
+def test_rollout_layouts_quick(tmp_path):
+    from analyses import rollout_layouts
+
+    out = tmp_path / "rl"
+    assert rollout_layouts.main(["--quick", "--out", str(out)]) == 0
+    df = pd.read_csv(f"{out}.csv")
+    assert len(df) == 2 * len(rollout_layouts.LAYOUTS) and (df["groups"] == 2).all()
+    d = df.set_index(["task", "layout"])
+    for task in ("arithmetic", "scaffold"):
+        ind = d.loc[(task, "independent")]
+        assert ind["informative_vs_independent"] == 1
+        assert ind["generated_tokens"] == ind["trained_tokens"]  # every token sampled once
+        # a splice repair samples nothing: the independent rows' tokens, more trained tokens
+        assert d.loc[(task, "repair splice"), "generated_tokens"] == ind["generated_tokens"]
+        tree = d.loc[(task, "tree star alternative")]
+        assert tree["generated_tokens"] < tree["trained_tokens"]  # prefixes reused
+        assert tree["duplicates_per_group"] == 0  # 7 alternatives at distinct positions
+    assert "Min-Replace vs Orth-Proj" in (tmp_path / "rl.md").read_text()
