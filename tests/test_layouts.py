@@ -277,3 +277,22 @@ def test_two_ranks_equal_one_process(tmp_path, layout, ranks):
         np.testing.assert_array_equal(wa[m], wb[m], err_msg=m)
     for m in ("rho_trie", "grad_norm", "loss"):
         np.testing.assert_allclose(wa[m], wb[m], rtol=1e-3, atol=1e-6, err_msg=m)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--rollout", "forest"], "--rollout: unknown 'forest'; valid: independent, tree, repair"),
+    (["--roots", "9"], "--roots: 9 is invalid; must be in 1..G (8)"),
+    (["--branches", "0"], "--branches: 0 is invalid; must be ≥ 1"),
+    (["--branch-at", "middle"], "--branch-at: unknown 'middle'; valid: entropy, uniform"),
+    (["--branch-token", "best"], "--branch-token: unknown 'best'; valid: sample, alternative"),
+    (["--repair", "rewrite"], "--repair: unknown 'rewrite'; valid: resample, splice"),
+    (["--repair-tries", "0"], "--repair-tries: 0 is invalid; must be ≥ 1"),
+    (["--rollout", "repair", "--split-groups", "--minibatches", "2"],
+     "--rollout repair: a repair trains next to the row it corrects"),
+])
+def test_bad_layout_option_is_a_one_line_error(args, msg, capsys):
+    from gradlab.cli import main
+
+    assert main(["tandem", "--out", "/tmp/x", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
