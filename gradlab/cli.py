@@ -46,6 +46,15 @@ HELP = {
                     "update (counted as nonfinite_steps)",
     "threads": "torch intra-op threads (0 = torch's current count); recorded in config.json: "
                "results are bitwise identical at a fixed thread count",
+    "rollout": "group layout: independent (G samples), tree (roots re-sampled from chosen "
+               "prefixes, KV cache reused) or repair (G samples + a corrected path per incorrect "
+               "one); compare layouts at equal generated_tokens (docs/guides/rollouts.md)",
+    "roots": "tree: independent starts per group", "branches": "tree: children per path",
+    "branch_at": "tree: branch positions drawn by token entropy or uniformly",
+    "branch_token": "tree/repair: the branch token is sampled, or an alternative (the "
+                    "parent's token excluded; old_logps stay the policy's own log-probs)",
+    "repair": "repair: resample the continuation from the departure, or splice the reference",
+    "repair_tries": "repair resample: tries per incorrect response (first correct one kept)",
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }

@@ -227,3 +227,23 @@ def test_figure3_replot_redraws_from_the_csv_without_runs(tmp_path):
     for f in ("figure3.png", "figure3_diagnostics.png", "figure3_paired.png"):
         assert (tmp_path / f).read_bytes()[:4] == b"\x89PNG", f
     assert not (tmp_path / "runs").exists()
+
+
+def test_rollout_layouts_quick(tmp_path):
+    from analyses import rollout_layouts
+
+    out = tmp_path / "rl"
+    assert rollout_layouts.main(["--quick", "--out", str(out)]) == 0
+    df = pd.read_csv(f"{out}.csv")
+    assert len(df) == 2 * len(rollout_layouts.LAYOUTS) and (df["groups"] == 2).all()
+    d = df.set_index(["task", "layout"])
+    for task in ("arithmetic", "scaffold"):
+        ind = d.loc[(task, "independent")]
+        assert ind["informative_vs_independent"] == 1
+        assert ind["generated_tokens"] == ind["trained_tokens"]  # every token sampled once
+        # a splice repair samples nothing: the independent rows' tokens, more trained tokens
+        assert d.loc[(task, "repair splice"), "generated_tokens"] == ind["generated_tokens"]
+        tree = d.loc[(task, "tree star alternative")]
+        assert tree["generated_tokens"] < tree["trained_tokens"]  # prefixes reused
+        assert tree["duplicates_per_group"] == 0  # 7 alternatives at distinct positions
+    assert "Min-Replace vs Orth-Proj" in (tmp_path / "rl.md").read_text()

@@ -34,6 +34,13 @@ class RunConfig:
     steps: int = 150
     prompts: int = 8
     G: int = 8
+    rollout: str = "independent"  # group layout: independent, tree or repair (loop/layouts.py)
+    roots: int = 2  # tree: independent starts per group
+    branches: int = 2  # tree: children per path (branch points per path)
+    branch_at: str = "entropy"  # tree: where children branch (entropy-weighted or uniform)
+    branch_token: str = "sample"  # tree and repair: the branch token sampled or an alternative
+    repair: str = "resample"  # repair: re-sample from the departure, or splice the reference
+    repair_tries: int = 4  # repair resample: tries per incorrect response
     minibatches: int = 4
     split_groups: bool = False
     micro_batch: int | None = None
@@ -137,6 +144,7 @@ def validate(c: RunConfig) -> None:
         if c.split_groups:
             raise ConfigError("--micro-batch needs whole groups in every optimizer step: it "
                               "cannot be combined with --split-groups")
+    _validate_layout(c)
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
@@ -155,3 +163,25 @@ def validate(c: RunConfig) -> None:
     if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
 
+
+
+def _validate_layout(c: RunConfig) -> None:
+    """The rollout layout options (loop/layouts.py)."""
+    from .layouts import LAYOUTS
+    from .repair import REPAIR_MODES
+    from .tree import BRANCH_AT, BRANCH_TOKEN
+
+    for opt, valid in (("rollout", LAYOUTS), ("branch_at", BRANCH_AT),
+                       ("branch_token", BRANCH_TOKEN), ("repair", REPAIR_MODES)):
+        if getattr(c, opt) not in valid:
+            raise ConfigError(f"--{opt.replace('_', '-')}: unknown {getattr(c, opt)!r}; "
+                              f"valid: {', '.join(valid)}")
+    for opt, ok, valid in (("roots", 1 <= c.roots <= c.G, f"in 1..G ({c.G})"),
+                           ("branches", c.branches >= 1, "≥ 1"),
+                           ("repair_tries", c.repair_tries >= 1, "≥ 1")):
+        if not ok:
+            raise ConfigError(f"--{opt.replace('_', '-')}: {getattr(c, opt)!r} is invalid; "
+                              f"must be {valid}")
+    if c.rollout == "repair" and c.split_groups:
+        raise ConfigError("--rollout repair: a repair trains next to the row it corrects; it "
+                          "cannot be combined with --split-groups")

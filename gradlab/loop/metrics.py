@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..core.batch import TokenBatch
 from ..core.credit import branch_tokens
+from .layouts import layout_sums
 
 TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
 
@@ -128,8 +129,12 @@ class StepMetrics:
     def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
         """Reward, accuracy, length, solution forms and split groups of the rollout, as sums
         and counts (reduced over ranks in `finish`)."""
-        correct = [task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)]
-        forms = [task.solution_form(p, t) for p, t in zip(ro.problems, ro.texts)]
+        # reward, accuracy, forms and length describe the policy's own samples: repairs
+        # (`ro.repair_of` ≥ 0) are trained on but not counted here
+        own = list(range(len(ro.texts))) if ro.repair_of is None else \
+            (ro.repair_of < 0).nonzero().squeeze(-1).tolist()
+        correct = [task.is_correct(ro.problems[i], ro.texts[i]) for i in own]
+        forms = [task.solution_form(ro.problems[i], ro.texts[i]) for i in own]
         step_of = torch.empty_like(ro.group)
         for k, rows in enumerate(parts):
             step_of[rows] = k
@@ -137,10 +142,11 @@ class StepMetrics:
         spread = [torch.unique(step_of[ro.group == g]).numel() > 1 for g in labels]
         zero_std = [bool((ro.rewards[ro.group == g] == ro.rewards[ro.group == g][0]).all())
                     for g in labels]
-        for k, v in {"reward_sum": ro.rewards.sum(), "n_rows": len(correct),
+        for k, v in {"reward_sum": ro.rewards[own].sum(), "n_rows": len(correct),
                      "correct": sum(correct), "form0": forms.count(0), "form1": forms.count(1),
-                     "length_sum": ro.response_mask.sum(), "n_groups": len(labels),
-                     "split_groups": sum(spread), "zero_std_groups": sum(zero_std)}.items():
+                     "length_sum": ro.response_mask[own].sum(), "n_groups": len(labels),
+                     "split_groups": sum(spread), "zero_std_groups": sum(zero_std),
+                     **layout_sums(ro)}.items():
             self.sums[k].append(v)
 
 
@@ -173,6 +179,8 @@ def _ratios(s: dict) -> dict:
         for k in ("reward_sum", "correct", "length_sum", "form0", "form1", "split_groups",
                   "zero_std_groups"):
             out.pop(k)
+    if "generated_tokens" in s:
+        out.update(_layout_ratios(s, out, div))
     n = s.get("n_tokens", 0)
     for key in [k for k in s if k.startswith(TOKSUM)]:  # clip_frac, ratio_mean: token means
         out[key[len(TOKSUM):]] = div(out.pop(key), n)
@@ -191,3 +199,17 @@ def _ratios(s: dict) -> dict:
     if "entropy_shared_sum" in s:
         out["entropy_shared"] = div(out.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
     return out
+
+
+def _layout_ratios(s: dict, out: dict, div) -> dict:
+    """Per-group and per-token figures of the rollout layout (`gradlab.loop.layouts`)."""
+    g = s.get("n_groups", 0)
+    out.pop("branch_depth_sum")
+    return {"distinct_per_group": div(s["distinct_responses"], g),
+            "duplicates_per_group": div(s["duplicate_responses"], g),
+            "branch_points_per_group": div(s["branch_points"], g),
+            "informative_per_group": div(s["informative_points"], g),
+            "informative_per_1k": div(1000 * s["informative_points"], s["generated_tokens"]),
+            "branch_depth": div(s["branch_depth_sum"], s["branch_points"]),
+            "repair_success": div(s["repairs_kept"], s["repairs_tried"]),
+            "edited_per_repair": div(s["edited_tokens"], s["repairs_kept"])}

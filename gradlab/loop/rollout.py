@@ -36,10 +36,26 @@ class Rollout:
     problems: list  # the Problem of each row
     temperature: float = 1.0
     rewards: torch.Tensor | None = None  # (N,) float32, set when `generate(task=...)` or `score`
+    # Layouts other than independent sampling (loop/tree.py, loop/repair.py); None = independent.
+    # Row indices below index the rows of this Rollout (under DDP: this rank's rollout).
+    parent: torch.Tensor | None = None  # (N,) long, tree: the row this one branched from, −1 root
+    branch_at: torch.Tensor | None = None  # (N,) long, response position where it left parent/−1
+    generated: torch.Tensor | None = None  # (N,) long, tokens the sampler newly produced per row
+    repair_of: torch.Tensor | None = None  # (N,) long, repair: the row it corrects, −1 otherwise
+    repairs_tried: int = 0  # incorrect rows in groups with a correct one (repair candidates)
+    discarded_tokens: int = 0  # tokens sampled for repair tries that were not kept
 
     @property
     def G(self) -> int:
-        return len(self.texts) // (int(self.group.max()) + 1)
+        """Sampled (non-repair) responses per group."""
+        n = len(self.texts) - (0 if self.repair_of is None else int((self.repair_of >= 0).sum()))
+        return n // (int(self.group.max()) + 1)
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        """(N,) long, tokens the sampler produced for each row (the whole response when
+        independent; a branch or a re-sampled repair counts only what follows its prefix)."""
+        return self.lengths if self.generated is None else self.generated
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -81,15 +97,16 @@ def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def hashed_uniform(row_keys: torch.Tensor, t: int) -> torch.Tensor:
-    """(N,) float64 uniforms in (0, 1) from a counter-based hash (splitmix64) of (row key, t).
+def hashed_uniform(row_keys: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+    """(N,) float64 uniforms in (0, 1) from a counter-based hash (splitmix64) of (row key, t);
+    t an int or an (N,) long tensor of per-row counters.
 
     O(1) per row and token (inverse-CDF sampling needs one uniform, not one per vocab entry).
     A row's noise depends on its key only, not on which other rows share the batch: the same
     global row samples the same tokens in one process or sharded over data-parallel ranks.
     """
     k = row_keys.long()
-    x = k * _GOLD + torch.full_like(k, t + 1) * _MIX2  # int64 tensor products wrap mod 2^64
+    x = k * _GOLD + (torch.as_tensor(t, device=k.device) + 1) * _MIX2  # int64 products wrap mod 2^64
     x = (x ^ _srl(x, 30)) * _MIX1
     x = (x ^ _srl(x, 27)) * _MIX2
     x = x ^ _srl(x, 31)

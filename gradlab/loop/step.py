@@ -50,17 +50,24 @@ def minibatches(group: torch.Tensor, k: int, gen: torch.Generator, split: bool,
     return [torch.isin(group, part).nonzero().squeeze(-1) for part in order.chunk(k)]
 
 
-def micro_batches(group: torch.Tensor, size: int | None, G: int) -> list[torch.Tensor]:
-    """Positions (into the step's rows) of each micro-batch: whole groups, `size // G` groups
-    each, in order of group label; each part keeps the step's row order. size None or ≥ the
-    step's rows: one part, the whole step. group (B,) holds the step's group labels."""
+def micro_batches(group: torch.Tensor, size: int | None, G: int | None = None) -> list[torch.Tensor]:
+    """Positions (into the step's rows) of each micro-batch: whole groups in order of group
+    label, as many as fit in `size` rows (at least one), each part keeping the step's row
+    order; groups of G rows give `size // G` groups a part, and groups of varying size (repair
+    layouts) are packed the same way. size None or ≥ the step's rows: one part, the whole step.
+    group (B,) holds the step's group labels; G is unused (kept for callers)."""
     B = group.numel()
     if size is None or size >= B:
         return [torch.arange(B, device=group.device)]
     _, inv = torch.unique(group, return_inverse=True)  # (B,) 0..n_groups−1
-    per = max(size // G, 1)
-    n = int(inv.max()) + 1
-    return [((inv >= a) & (inv < a + per)).nonzero().squeeze(-1) for a in range(0, n, per)]
+    bounds, rows = [0], 0
+    for k, n in enumerate(torch.bincount(inv).tolist()):  # group k holds n rows
+        if rows and rows + n > size:
+            bounds.append(k)
+            rows = 0
+        rows += n
+    bounds.append(int(inv.max()) + 1)
+    return [((inv >= a) & (inv < b)).nonzero().squeeze(-1) for a, b in zip(bounds, bounds[1:])]
 
 
 def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,

@@ -18,6 +18,9 @@ position) of a masked-in response token:
     prefix_node, trie_node      node ids at full-group and trie nodes of that optimizer step's
                                 batch (−1: not shared); ids are local to the optimizer step
     trie_size                   members of the trie node (0 when not shared)
+    parent, branch_at           tree and repair layouts: the row (within the group) this row
+                                branched from or repairs, and the response position it was
+                                re-sampled from; −1 for independent samples and roots
 
 Layout: run/traces/<objective>/step<NNNNNN>.parquet, one file per (objective, step), written to
 a temporary name and renamed, so a crash leaves whole files only; on resume the files of steps
@@ -41,18 +44,20 @@ from ..core.nodes import shared_nodes
 
 COLUMNS = ("objective", "step", "opt_step", "group", "row", "position", "token_id", "text",
            "mask", "A", "r", "s", "W", "W_closed", "clip", "prefix_node", "trie_node",
-           "trie_size")
+           "trie_size", "parent", "branch_at")
 _FILE = re.compile(r"step(\d+)\.parquet$")
 
 
 @torch.no_grad()
 def token_rows(batch: TokenBatch, W: Tensor, objective=None, keep: Tensor | None = None,
-               row_in_group: Tensor | None = None) -> dict[str, np.ndarray]:
+               row_in_group: Tensor | None = None, parent: Tensor | None = None,
+               branch_at: Tensor | None = None) -> dict[str, np.ndarray]:
     """Trace columns (module docstring) of rows `keep` (default all) of one optimizer step.
 
     batch: the step's TokenBatch (B, T); W (B, T) hook-measured; objective: computes the
     closed form and the clip flag on the *whole* batch (normalisers and DFPO nodes need it),
-    then the rows are sliced. row_in_group (B,): each row's index within its group.
+    then the rows are sliced. row_in_group (B,): each row's index within its group; parent,
+    branch_at (B,): the layout's `parent`/`branch_at` columns (default −1).
     Returns numpy columns, one entry per masked-in token of the kept rows.
     """
     keep = torch.arange(batch.B, device=W.device) if keep is None else keep
@@ -78,6 +83,9 @@ def token_rows(batch: TokenBatch, W: Tensor, objective=None, keep: Tensor | None
         "s": s, "W": W.float(), "W_closed": W_closed, "clip": clip, "prefix_node": prefix.node,
         "trie_node": trie.node, "trie_size": size,
     }
+    for name, v in (("parent", parent), ("branch_at", branch_at)):
+        v = torch.full((B,), -1, dtype=torch.long) if v is None else v
+        grid[name] = v.to(W.device).unsqueeze(-1).expand(B, T)
     sel = batch.mask[keep]
     return {k: v[keep][sel].cpu().numpy() for k, v in grid.items()}
 
@@ -122,7 +130,12 @@ class TraceWriter:
         labels = torch.unique(ro.group)[: self.groups]
         keep = torch.isin(batch.group, labels).nonzero().squeeze(-1)
         if keep.numel():
-            cols = token_rows(batch, W, objective, keep, row_in_group(ro.group)[rows])
+            rig = row_in_group(ro.group)
+            par = at = None
+            if ro.parent is not None:  # tree / repair: the parent's row within the group
+                p = ro.parent[rows]
+                par, at = torch.where(p >= 0, rig[p.clamp(min=0)], -1), ro.branch_at[rows]
+            cols = token_rows(batch, W, objective, keep, rig[rows], par, at)
             cols["opt_step"] = np.full(len(cols["W"]), self._opt)
             self._parts.append(cols)
         self._opt += 1

@@ -26,13 +26,14 @@ from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .fsdp import full_checkpoint, gathered, rebuild_optimizer
 from .heldout import TrainSplit, eval_problems, evaluate_heldout
+from .layouts import sample_layout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
 from .probeset import probe_metrics, probe_set
 from .realmodel import format_problems, prepare_run
 from .resume import restore
-from .rollout import Rollout, generate
+from .rollout import Rollout
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
 from .task import BUILTIN_TASKS, check_encodable, get_task
@@ -88,11 +89,9 @@ def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout
     rows = g * cfg.G + torch.arange(cfg.G, device=cfg.device).repeat(len(mine))
     keys = (cfg.seed * 1_000_003 + step) * 1_000_003 + rows
     with gathered(L.model), amp_context(cfg):  # FSDP: full weights while sampling (loop/fsdp.py)
-        ro = generate(unwrap(L.model), tok, [problems[i] for i in mine], cfg.G,
-                      cfg.max_new_tokens or task.max_new_tokens, cfg.temperature,
-                      amp=cfg.amp, task=task, row_keys=keys)
+        ro = sample_layout(cfg, unwrap(L.model), tok, [problems[i] for i in mine], task, keys)
     L.model.train()
-    ro.group = g
+    ro.group = torch.tensor(mine, device=cfg.device)[ro.group]  # local → global group labels
     return ro
 
 
@@ -186,9 +185,10 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
                 rec["time_eval"] = time.perf_counter() - t1
             store.log(rec)
             live.log(rec)
+            first = (ro.group == ro.group[0]).nonzero().squeeze(-1).tolist()  # first group's rows
             store.log({"step": step, "objective": L.name, "prompt": ro.problems[0].prompt,
-                       "responses": ro.texts[: cfg.G], "rewards": ro.rewards[: cfg.G].tolist()},
-                      "samples.jsonl")
+                       "responses": [ro.texts[i] for i in first],
+                       "rewards": ro.rewards[first].tolist()}, "samples.jsonl")
             post[L.name] = f"r={rec['reward']:.2f}" + (
                 f" ρ={rec['rho_prefix']:.2f}" if "rho_prefix" in rec else "")
         bar.set_postfix_str(" | ".join(f"{k}: {v}" for k, v in post.items()))

@@ -21,7 +21,7 @@ from .curves import CURVES, plt, training_curves
 from .runs import run_title
 
 FIELDS = ["row", "position", "text", "W", "W_closed", "A", "r", "s", "prefix_node",
-          "trie_node", "trie_size", "clip", "opt_step"]
+          "trie_node", "trie_size", "clip", "opt_step", "parent", "branch_at"]
 
 
 def curves_svg(tidy: pd.DataFrame) -> str:
@@ -45,7 +45,8 @@ def trace_payload(traces: pd.DataFrame) -> dict:
     for (obj, step, g), d in t.groupby(["objective", "step", "group"], sort=False):
         cols = {}
         for f in FIELDS:
-            vals = [x.item() if hasattr(x, "item") else x for x in d[f].tolist()]
+            col = d[f] if f in d else pd.Series(-1, index=d.index)  # traces without a layout
+            vals = [x.item() if hasattr(x, "item") else x for x in col.tolist()]
             cols[f] = [None if isinstance(x, float) and not math.isfinite(x) else x for x in vals]
         out.setdefault(str(obj), {}).setdefault(str(int(step)), {})[str(int(g))] = cols
     return out
@@ -83,6 +84,7 @@ h1{font-size:18px} #curves svg{max-width:100%;height:auto}
 .lab{width:120px;font-size:12px;color:#555} .tok{display:inline-block;min-width:18px;
 padding:3px 2px;margin:1px;text-align:center;font-family:monospace;border:1px solid #ddd;
 cursor:default} .tok.full{border-bottom:3px solid #4C72B0} .tok.subset{border-bottom:3px solid #A6C8E8}
+.tok.branch{border-left:3px solid #000}
 .tok:hover{outline:2px solid #000} .sum{font-size:11px;margin:1px 3px;color:#4C72B0} .tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
 padding:8px;min-height:3em;margin-top:8px}
 """
@@ -95,7 +97,9 @@ PAGE = """<!DOCTYPE html>
 <h2>Token strips (hook-measured W per token)</h2>
 <p>Colour: W (blue &lt; 0 &lt; red, scaled to the largest |W| of the objective at that step);
 underline: dark blue = shared by the whole group, light blue = by a subset; dashed box = clipped.
-Hover a token for its numbers. Last row: Σ_i W at each full-group shared position.</p>
+Tree and repair groups: &#8627;k after a row's label = it branched from (or repairs) row k, and a
+black left edge marks the position it was re-sampled from. Hover a token for its numbers.
+Last row: Σ_i W at each full-group shared position.</p>
 <div id="nav"><label>objective <select id="objective"></select></label>
 <label>step <select id="step"></select></label><label>group <select id="group"></select></label>
 <span id="count"></span></div>
@@ -123,7 +127,8 @@ function show(d, i) {
     `row ${d.row[i]}  position ${d.position[i]}  token ${JSON.stringify(d.text[i])}  optimizer step ${d.opt_step[i]}\\n` +
     `W = ${fmt(d.W[i])}   W closed form = ${fmt(d.W_closed[i])}\\n` +
     `A = ${fmt(d.A[i])}   r = ${fmt(d.r[i])}   s = ${fmt(d.s[i])}\\n` +
-    `prefix node ${d.prefix_node[i]}   trie node ${d.trie_node[i]} (size ${d.trie_size[i]})   clip ${d.clip[i]}`;
+    `prefix node ${d.prefix_node[i]}   trie node ${d.trie_node[i]} (size ${d.trie_size[i]})   clip ${d.clip[i]}` +
+    (d.parent[i] >= 0 ? `\nre-sampled from position ${d.branch_at[i]} of row ${d.parent[i]} (a tree branch, or a repair of that row)` : "");
 }
 function draw() {
   const obj = $("objective").value, step = $("step").value, grp = $("group").value;
@@ -137,11 +142,12 @@ function draw() {
     if (d.row[i] !== cur) {
       cur = d.row[i]; rowDiv = document.createElement("div"); rowDiv.className = "row";
       const lab = document.createElement("span"); lab.className = "lab";
-      lab.textContent = `row ${cur}  A=${Number(d.A[i]).toFixed(2)}`; rowDiv.appendChild(lab);
+      lab.textContent = `row ${cur}  A=${Number(d.A[i]).toFixed(2)}` + (d.parent[i] >= 0 ? `  \u21b3${d.parent[i]}` : "");
+      rowDiv.appendChild(lab);
       strips.appendChild(rowDiv);
     }
     const t = document.createElement("span");
-    t.className = "tok" + (d.prefix_node[i] >= 0 ? " full" : d.trie_node[i] >= 0 ? " subset" : "") + (d.clip[i] ? " clip" : "");
+    t.className = "tok" + (d.prefix_node[i] >= 0 ? " full" : d.trie_node[i] >= 0 ? " subset" : "") + (d.clip[i] ? " clip" : "") + (d.position[i] === d.branch_at[i] ? " branch" : "");
     t.textContent = d.text[i] === " " ? "\\u2423" : d.text[i];
     t.style.background = colour(w, m);
     t.dataset.i = i;
