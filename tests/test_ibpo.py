@@ -298,6 +298,9 @@ def test_ibpo_registry_and_errors():
     for bad in ("ibpo[form=gae]", "ibpo[base=dfpo]", "ibpo[lam=2]", "ibpo[base=gspo,norm=seq]"):
         with pytest.raises(ValueError, match="ibpo"):
             objectives.get(bad)
+    with pytest.raises(ConfigError, match="needs --rollout repair"):
+        RunConfig(objectives=["grpo", "ibpo[form=repair]"])
+    RunConfig(objectives=["grpo", "ibpo[form=repair]"], rollout="repair")
     with pytest.raises(ConfigError, match="adv-scale batch"):
         RunConfig(objectives=["ibpo"], adv_scale="batch", micro_batch=8, G=8)
     b = random_batch()

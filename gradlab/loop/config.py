@@ -182,6 +182,16 @@ def _validate_layout(c: RunConfig) -> None:
         if not ok:
             raise ConfigError(f"--{opt.replace('_', '-')}: {getattr(c, opt)!r} is invalid; "
                               f"must be {valid}")
+    if c.rollout != "repair" and any(_is_repair_form(n, c) for n in c.objectives):
+        raise ConfigError("--objectives: ibpo[form=repair] trains on repairs: it needs "
+                          "--rollout repair")
     if c.rollout == "repair" and c.split_groups:
         raise ConfigError("--rollout repair: a repair trains next to the row it corrects; it "
                           "cannot be combined with --split-groups")
+
+
+def _is_repair_form(name: str, c: RunConfig) -> bool:
+    from ..core import objectives
+
+    obj = objectives.get(name, **c.objective_params.get(name, {}))
+    return getattr(obj, "form", None) == "repair"

@@ -19,6 +19,7 @@ from .config import RunConfig
 from .dist import Dist, unwrap
 from .fsdp import FullGrads, gathered, is_sharded
 from .guard import admit
+from .layouts import batch_repair_of
 from .logprobs import token_logps
 from .metrics import StepMetrics
 from .rollout import Rollout
@@ -218,12 +219,7 @@ def rows_batch(ro: Rollout, rows: torch.Tensor, logps: torch.Tensor, adv: torch.
     sequence advantages adv (N,), rewards, and `repair_of` renumbered into this batch's rows
     (−1 where the corrected row is not among them); norms: the step's normaliser totals."""
     t = ro.response_ids.shape[1] if t is None else t
-    ref = getattr(ro, "repair_of", None)
-    if ref is not None:  # rollout row ids → positions in `rows`
-        pos = torch.full_like(ref, -1)
-        pos[rows] = torch.arange(rows.numel(), device=rows.device)
-        ref = ref[rows]
-        ref = torch.where(ref >= 0, pos[ref.clamp(min=0)], -1)
+    ref = batch_repair_of(ro.repair_of, rows)
     rewards = ro.rewards[rows] if ro.rewards is not None else None
     return TokenBatch(ro.response_ids[rows, :t], ro.response_mask[rows, :t], logps,
                       ro.old_logps[rows, :t], adv[rows], ro.group[rows], rewards=rewards,
