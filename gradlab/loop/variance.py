@@ -35,7 +35,9 @@ from .task import check_encodable, get_task
 
 ROLLOUTS = ("independent",)
 COLUMNS = ("task", "rollout", "objective", "seed", "batch", "tokens", "metric", "value")
-BASELINES = ("grpo", "gspo")  # noise ratios are reported against these when measured
+BASELINES = ("grpo", "gspo")
+DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth", "ibpo[form=ga]", "ibpo[form=la]",
+                      "ibpo[form=ga+la]", "ibpo[form=togo]", "ibpo[base=gspo]")  # noise ratios are reported against these when measured
 
 
 def draw(rollout: str, model, tok, task, problems: list, G: int, b: int, seed: int,
@@ -144,6 +146,7 @@ def measure_variance(names: list[str], task: str = "arithmetic", K: int = 32,
         raise ConfigError(f"--K and --reference-batches must be ≥ 2, got {K} and {reference_batches}")
     if rollout not in ROLLOUTS:
         raise ConfigError(f"--rollout: unknown {rollout!r}; valid: {', '.join(ROLLOUTS)}")
+    objs = build(names, adv_scale)  # bad names fail before any model is loaded
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -151,7 +154,6 @@ def measure_variance(names: list[str], task: str = "arithmetic", K: int = 32,
     model, tok = load_measured_policy(checkpoint, task, t)
     check_encodable(t, tok)
     problems = TrainSplit(t).problems(prompts, seed=seed * 1_000_003)
-    objs = build(names, adv_scale)
     kept, ref, per_batch = _draw_all(model, tok, t, problems, objs, K, reference_batches, G,
                                      seed, rollout, temperature,
                                      max_new_tokens or t.max_new_tokens, adv_scale, progress)
@@ -222,6 +224,7 @@ def _summarise(kept: dict, ref: dict, per_batch: list, K: int, R: int, n_boot: i
                   "value": float(v)} for m, v in stats.items()]
         rows += [{"objective": name, "batch": b, "tokens": int(tok_k[b]), "metric": "cos_ref",
                   "value": float(c)} for b, c in enumerate(cos)]
+    rows += _pairs(kept, total)
     for name in kept:
         for base in (b for b in BASELINES if b in kept and b != name):
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -230,6 +233,21 @@ def _summarise(kept: dict, ref: dict, per_batch: list, K: int, R: int, n_boot: i
             rows += [{"objective": name, "batch": pd.NA, "tokens": total,
                       "metric": f"noise_ratio_vs_{base}{s}", "value": float(v)}
                      for s, v in (("", points[name] / points[base]), ("_lo", lo), ("_hi", hi))]
+    return rows
+
+
+def _pairs(kept: dict, tokens: int) -> list[dict]:
+    """Which objectives give the same gradient on the same samples: for every ordered pair,
+    max over the K batches of ‖g_a − g_b‖ / ‖g_b‖ (metric "max_rel_diff_vs:<b>"; float
+    round-off ~1e-6 in float32 means the two coincide)."""
+    rows = []
+    for a, ga in kept.items():
+        for b, gb in kept.items():
+            if a != b:
+                nb = gb.double().norm(dim=1).clamp(min=1e-300)
+                v = float(((ga.double() - gb.double()).norm(dim=1) / nb).max())
+                rows.append({"objective": a, "batch": pd.NA, "tokens": tokens,
+                             "metric": f"max_rel_diff_vs:{b}", "value": v})
     return rows
 
 

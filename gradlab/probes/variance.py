@@ -51,7 +51,7 @@ def trace_cov(G: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
     K = G.shape[0]
     c = _counts(K, w)
     mean_sq = np.einsum("na,ab,nb->n", c, G, c) / K ** 2
-    return (c @ np.diag(G) - K * mean_sq) / (K - 1)
+    return np.maximum(c @ np.diag(G) - K * mean_sq, 0.0) / (K - 1)  # ≥ 0 (round-off aside)
 
 
 def signal(ref_dot: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
