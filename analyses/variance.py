@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--K", type=int, default=48)
     p.add_argument("--reference-batches", type=int, default=240)
-    p.add_argument("--quick", action="store_true", help="K = 3, R = 3, 2 prompts × G = 4")
+    p.add_argument("--quick", action="store_true", help="K = 2, R = 2, 2 prompts × G = 4")
     p.add_argument("--out", default=str(FIGURES / "variance.png"))
     a = p.parse_args(argv)
     set_threads(1)
-    K, R = (3, 3) if a.quick else (a.K, a.reference_batches)
+    K, R = (2, 2) if a.quick else (a.K, a.reference_batches)
     size = dict(prompts=2, G=4) if a.quick else dict(prompts=8, G=8)
     tidy = pd.concat([measure_variance(list(DEFAULT_OBJECTIVES), task=t, K=K, reference_batches=R,
                                        seed=0, threads=1, progress=not a.quick, **size)

@@ -43,8 +43,10 @@ def variance_figure(tidy: pd.DataFrame, title: str | None = None) -> plt.Figure:
             d = s[s["series"] == name].set_index("objective").reindex(order)
             y = np.arange(len(order)) + (j - (len(series) - 1) / 2) * step
             v = d[metric].to_numpy(float)
-            err = np.abs(np.vstack([v - d[lo_col].to_numpy(float), d[hi_col].to_numpy(float) - v]))
-            ax.errorbar(v, y, xerr=np.nan_to_num(err, posinf=0.0), fmt="o", ms=4, capsize=2,
+            with np.errstate(invalid="ignore"):  # an infinite noise has no drawable bar
+                err = np.abs(np.vstack([v - d[lo_col].to_numpy(float),
+                                        d[hi_col].to_numpy(float) - v]))
+            ax.errorbar(v, y, xerr=np.nan_to_num(err, nan=0.0, posinf=0.0), fmt="o", ms=4, capsize=2,
                         color=colours[name], label=name)
         ax.set_yticks(np.arange(len(order)), order)
         ax.set_xlabel(label, fontsize=9)
