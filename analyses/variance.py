@@ -46,6 +46,14 @@ def _fmt(v: float) -> str:
     return "∞" if v == float("inf") else f"{v:.3g}"
 
 
+def _ratio(r: dict, base: str) -> str:
+    """'ratio [lo, hi]' of the noise against `base`, or — where none was measured."""
+    k = f"noise_ratio_vs_{base}"
+    if k not in r or pd.isna(r[k]):
+        return "—"
+    return f"{_fmt(r[k])} [{_fmt(r[k + '_lo'])}, {_fmt(r[k + '_hi'])}]"
+
+
 def report(tidy: pd.DataFrame, K: int, R: int, prov: dict) -> str:
     """The markdown table of variance.md."""
     s = summary_table(tidy)
@@ -57,13 +65,10 @@ def report(tidy: pd.DataFrame, K: int, R: int, prov: dict) -> str:
              "| task | objective | noise [95 % CI] | vs GRPO [CI] | vs GSPO [CI] | cos(g_k, g_ref) "
              "| ‖g‖ | A≠0 share | corr(R, A−A_grpo) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in s.to_dict("records"):
-        ratio = lambda b: (f"{_fmt(r[f'noise_ratio_vs_{b}'])} [{_fmt(r[f'noise_ratio_vs_{b}_lo'])}, "  # noqa: E731
-                           f"{_fmt(r[f'noise_ratio_vs_{b}_hi'])}]" if f"noise_ratio_vs_{b}" in r
-                           and pd.notna(r[f"noise_ratio_vs_{b}"]) else "—")
         corr = r["reward_comparison_corr_mean"]
         lines.append(f"| {r['task']} | {r['objective']} | {_fmt(r['grad_noise'])} "
-                     f"[{_fmt(r['grad_noise_lo'])}, {_fmt(r['grad_noise_hi'])}] | {ratio('grpo')} | "
-                     f"{ratio('gspo')} | {r['cos_ref_mean']:.3f} | {r['grad_norm_mean']:.3g} | "
+                     f"[{_fmt(r['grad_noise_lo'])}, {_fmt(r['grad_noise_hi'])}] | {_ratio(r, 'grpo')} | "
+                     f"{_ratio(r, 'gspo')} | {r['cos_ref_mean']:.3f} | {r['grad_norm_mean']:.3g} | "
                      f"{r['adv_nonzero_frac_mean']:.3f} | {'—' if pd.isna(corr) else f'{corr:.3f}'} |")
     lines += ["", "Objectives whose gradients coincide on every batch (max ‖g_a − g_b‖/‖g_b‖ "
               f"< {SAME:g}):", ""]
@@ -75,13 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--K", type=int, default=48)
     p.add_argument("--reference-batches", type=int, default=240)
-    p.add_argument("--quick", action="store_true", help="K = 2, R = 2, 2 prompts × G = 4")
+    p.add_argument("--quick", action="store_true",
+                   help="K = 2, R = 2, 2 prompts × G = 4, three objectives (seconds, for tests)")
     p.add_argument("--out", default=str(FIGURES / "variance.png"))
     a = p.parse_args(argv)
     set_threads(1)
     K, R = (2, 2) if a.quick else (a.K, a.reference_batches)
     size = dict(prompts=2, G=4) if a.quick else dict(prompts=8, G=8)
-    tidy = pd.concat([measure_variance(list(DEFAULT_OBJECTIVES), task=t, K=K, reference_batches=R,
+    names = ["grpo", "gspo", "ibpo[form=ga]"] if a.quick else list(DEFAULT_OBJECTIVES)
+    tidy = pd.concat([measure_variance(names, task=t, K=K, reference_batches=R,
                                        seed=0, threads=1, progress=not a.quick, **size)
                       for t in TASKS], ignore_index=True)
     out = Path(a.out)

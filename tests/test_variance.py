@@ -193,5 +193,5 @@ def test_analysis_quick(tmp_path):
     df = pd.read_csv(out.with_suffix(".csv"))
     assert set(df["task"]) == {"arithmetic", "scaffold"}
     md = out.with_suffix(".md").read_text()
-    assert "K = 2 batches" in md and "ibpo[form=ga+la]" in md
+    assert "K = 2 batches" in md and "| scaffold | ibpo[form=ga] |" in md
     assert "grpo = ibpo[form=ga]" in md  # measured: the two gradients coincide

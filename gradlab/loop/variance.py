@@ -9,6 +9,23 @@ are those of `gradlab.probes.variance`; `measure_variance` returns them as one t
 
 The prompt set is the loop's first rollout batch for `seed` (training split: held-out prompts
 never appear); batch b samples row r with the hashed noise key (seed·1000003 + b)·1000003 + r.
+
+Metrics (g = −∇L, the policy gradient over all parameters; per batch k < K, or on summary rows,
+batch <NA>, with `_lo`/`_hi` = 95 % bootstrap interval over the K batches):
+  per batch    grad_norm ‖g_k‖; cos_ref cos(g_k, g_ref); adv_nonzero_frac share of response tokens
+               with A_{i,t} ≠ 0 (the advantages the objective's W is built from, `prepare`);
+               reward_comparison_corr Pearson correlation over the batch's response tokens of
+               R_i with A_{i,t} − A_i, the objective's token advantage minus the group-relative
+               advantage in the same units (IBPO's comparison term, its process-level part; NaN
+               for objectives trained on A_i). The authors say the comparison signal is
+               negatively correlated with the terminal reward, which is why variance drops; this
+               correlation is our reading of that statement. reward: the batch's mean reward.
+  summary      grad_noise (+ _lo, _hi) tr Cov(g) / ⟨ḡ, g_ref⟩ (`gradlab.probes.variance`);
+               trace_cov, signal its numerator and denominator; grad_noise_ref the same from the
+               R reference batches alone (no interval; a cross-check); <metric>_mean (+ _lo, _hi)
+               of each per-batch metric; noise_ratio_vs_grpo / _vs_gspo (+ _lo, _hi) paired;
+               max_rel_diff_vs:<other> max_k ‖g_k − g_k^other‖ / ‖g_k^other‖ (~1e-6: the two
+               objectives give the same gradient on these samples); K, reference_batches.
 """
 
 from __future__ import annotations
