@@ -8,6 +8,7 @@ variance.md (K, R, the noise of every objective, the ratios IBPO/GRPO and IBPO/G
 paired 95 % bootstrap intervals, which objectives coincide, and the command).
 
     OMP_NUM_THREADS=1 python analyses/variance.py           # K = 48, R = 240 (~6 min CPU)
+    python analyses/variance.py --redraw                      # figure and table from the CSV
     python analyses/variance.py --quick --out /tmp/v.png      # seconds, for tests
 """
 
@@ -61,13 +62,18 @@ def report(tidy: pd.DataFrame, K: int, R: int, prov: dict) -> str:
              "", f"`{prov['command']}` (commit {prov['commit'][:10]}, {prov['threads']} thread(s))",
              "", "Each batch: the same 8 prompts × G = 8 independent responses (`--rollout "
              "independent`), shipped warm start, on-policy. noise = tr Cov(g) / ⟨ḡ, g_ref⟩ per "
-             "batch; ratios and 95 % intervals from one paired bootstrap over the K batches.", "",
-             "| task | objective | noise [95 % CI] | vs GRPO [CI] | vs GSPO [CI] | cos(g_k, g_ref) "
-             "| ‖g‖ | A≠0 share | corr(R, A−A_grpo) |", "|---|---|---|---|---|---|---|---|---|"]
+             "batch; ratios and 95 % intervals from one paired bootstrap over the K batches (the "
+             "reference's own noise is not in them; 'ref. only' is the noise estimated from the R "
+             "reference batches alone, a cross-check). corr: Pearson over response tokens of R_i "
+             "with A_{i,t} − A_i (IBPO's comparison term), mean over batches.", "",
+             "| task | objective | noise [95 % CI] | ref. only | vs GRPO [CI] | vs GSPO [CI] | "
+             "cos(g_k, g_ref) | ‖g‖ | A≠0 share | corr(R, A−A_grpo) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s.to_dict("records"):
         corr = r["reward_comparison_corr_mean"]
         lines.append(f"| {r['task']} | {r['objective']} | {_fmt(r['grad_noise'])} "
-                     f"[{_fmt(r['grad_noise_lo'])}, {_fmt(r['grad_noise_hi'])}] | {_ratio(r, 'grpo')} | "
+                     f"[{_fmt(r['grad_noise_lo'])}, {_fmt(r['grad_noise_hi'])}] | "
+                     f"{_fmt(r['grad_noise_ref'])} | {_ratio(r, 'grpo')} | "
                      f"{_ratio(r, 'gspo')} | {r['cos_ref_mean']:.3f} | {r['grad_norm_mean']:.3g} | "
                      f"{r['adv_nonzero_frac_mean']:.3f} | {'—' if pd.isna(corr) else f'{corr:.3f}'} |")
     lines += ["", "Objectives whose gradients coincide on every batch (max ‖g_a − g_b‖/‖g_b‖ "
@@ -83,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="K = 2, R = 2, 2 prompts × G = 4, three objectives (seconds, for tests)")
     p.add_argument("--out", default=str(FIGURES / "variance.png"))
+    p.add_argument("--redraw", action="store_true", help="redraw the figure and table from the "
+                   "CSV and JSON an earlier run wrote next to --out (no sampling)")
     a = p.parse_args(argv)
+    out = Path(a.out)
+    if a.redraw:
+        meta = json.loads(out.with_suffix(".json").read_text())
+        write(pd.read_csv(out.with_suffix(".csv")), out, meta)
+        return 0
     set_threads(1)
     K, R = (2, 2) if a.quick else (a.K, a.reference_batches)
     size = dict(prompts=2, G=4) if a.quick else dict(prompts=8, G=8)
@@ -91,17 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     tidy = pd.concat([measure_variance(names, task=t, K=K, reference_batches=R,
                                        seed=0, threads=1, progress=not a.quick, **size)
                       for t in TASKS], ignore_index=True)
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prov = provenance("variance.py", argv)
+    meta = {"K": K, "reference_batches": R, **size, **provenance("variance.py", argv)}
     tidy.to_csv(out.with_suffix(".csv"), index=False)
-    save(variance_figure(tidy, f"gradient noise at the shipped warm starts: K = {K} batches of "
-                               f"{size['prompts']}×{size['G']}, reference {R} batches"), out)
-    out.with_suffix(".md").write_text(report(tidy, K, R, prov))
-    out.with_suffix(".json").write_text(json.dumps({"K": K, "reference_batches": R, **size,
-                                                    **prov}, indent=1))
-    print(out.with_suffix(".md").read_text())
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    write(tidy, out, meta)
     return 0
+
+
+def write(tidy: pd.DataFrame, out: Path, meta: dict) -> None:
+    """The figure (out) and the table (out .md) of a measurement; meta: its JSON record."""
+    K, R = meta["K"], meta["reference_batches"]
+    save(variance_figure(tidy, f"gradient noise at the shipped warm starts: K = {K} batches of "
+                               f"{meta['prompts']}×{meta['G']}, reference {R} batches"), out)
+    out.with_suffix(".md").write_text(report(tidy, K, R, meta))
+    print(out.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

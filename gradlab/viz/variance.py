@@ -6,12 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import seaborn as sns
-from matplotlib.ticker import FormatStrFormatter, NullFormatter
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from .curves import plt
 
-PANELS = (("grad_noise", "gradient noise  tr Cov(g) / ‖E g‖²  (per batch)", True),
-          ("cos_ref_mean", "cos(g_k, g_ref)  (mean over batches)", False))
+PANELS = (("grad_noise", "gradient noise  tr Cov(g) / ‖E g‖²  (one batch)", True,
+           "(a) gradient noise, lower is better"),
+          ("cos_ref_mean", "cos(g_k, g_ref)  (mean over batches)", False,
+           "(b) agreement with the reference gradient"))
+BASELINE = "grpo"  # a dotted line at its value per series, where measured
 NEEDED = ("task", "objective", "batch", "metric", "value")
 
 
@@ -28,7 +31,8 @@ def summary_table(tidy: pd.DataFrame) -> pd.DataFrame:
 def variance_figure(tidy: pd.DataFrame, title: str | None = None) -> plt.Figure:
     """Two panels, objectives down the y axis, one colour per task (and rollout layout):
     (a) gradient noise with its 95 % bootstrap interval over batches (log axis),
-    (b) mean cosine of a batch gradient to the reference gradient, with its interval."""
+    (b) mean cosine of a batch gradient to the reference gradient, with its interval.
+    Dotted lines: GRPO's value in each series' colour, where GRPO was measured."""
     s = summary_table(tidy)
     multi = "rollout" in s and s["rollout"].nunique() > 1  # layouts side by side
     s["series"] = s["task"] + (" · " + s["rollout"] if multi else "")
@@ -37,7 +41,7 @@ def variance_figure(tidy: pd.DataFrame, title: str | None = None) -> plt.Figure:
     colours = dict(zip(series, sns.color_palette("colorblind", len(series))))
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.42 * len(order) + 1.6), sharey=True)
     step = 0.7 / max(len(series), 1)
-    for ax, (metric, label, log) in zip(axes, PANELS):
+    for ax, (metric, label, log, panel) in zip(axes, PANELS):
         lo_col, hi_col = (f"{metric}_lo", f"{metric}_hi")
         for j, name in enumerate(series):
             d = s[s["series"] == name].set_index("objective").reindex(order)
@@ -48,10 +52,14 @@ def variance_figure(tidy: pd.DataFrame, title: str | None = None) -> plt.Figure:
                                         d[hi_col].to_numpy(float) - v]))
             ax.errorbar(v, y, xerr=np.nan_to_num(err, nan=0.0, posinf=0.0), fmt="o", ms=4, capsize=2,
                         color=colours[name], label=name)
+            if BASELINE in order and np.isfinite(v[order.index(BASELINE)]):
+                ax.axvline(v[order.index(BASELINE)], color=colours[name], lw=0.8, ls=":")
         ax.set_yticks(np.arange(len(order)), order)
         ax.set_xlabel(label, fontsize=9)
+        ax.set_title(panel, fontsize=9)
         if log:
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
             ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
             ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(axis="x", alpha=0.3)
