@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         write(pd.read_csv(out.with_suffix(".csv")), out, meta)
         return 0
     set_threads(1)
+    prov = provenance("variance.py", argv)  # the code that measures, not what HEAD is at the end
     K, R = (2, 2) if a.quick else (a.K, a.reference_batches)
     size = dict(prompts=2, G=4) if a.quick else dict(prompts=8, G=8)
     names = ["grpo", "gspo", "ibpo[form=ga]"] if a.quick else list(DEFAULT_OBJECTIVES)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                        seed=0, threads=1, progress=not a.quick, **size)
                       for t in TASKS], ignore_index=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"K": K, "reference_batches": R, **size, **provenance("variance.py", argv)}
+    meta = {"K": K, "reference_batches": R, **size, **prov}
     tidy.to_csv(out.with_suffix(".csv"), index=False)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     write(tidy, out, meta)
