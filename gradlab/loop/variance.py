@@ -156,8 +156,8 @@ def measure_variance(names: list[str], task: str = "arithmetic", K: int = 32,
     to the same prompts. checkpoint: see `load_measured_policy`. threads: torch intra-op
     threads (results are bitwise identical for a seed at a fixed count; 0 = leave as is).
     Columns: task, rollout, objective, seed, batch (k; <NA> on summary rows), tokens (response
-    tokens of the batch, or of all K batches on summary rows), metric, value — see README
-    "Gradient variance" for every metric.
+    tokens of the batch, or of all K batches on summary rows), metric, value; the metrics are
+    listed in this module's docstring.
     """
     if K < 2 or reference_batches < 2:
         raise ConfigError(f"--K and --reference-batches must be ≥ 2, got {K} and {reference_batches}")
