@@ -1,4 +1,4 @@
-"""The `gradlab` command: run, tandem, reproduce, table, view, check, audit.
+"""The `gradlab` command: run, tandem, reproduce, table, view, variance, check, audit.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
 Bad options get a one-line error naming the option and its valid values.
@@ -161,6 +161,30 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+def cmd_variance(a: argparse.Namespace) -> int:
+    """Gradient noise of each objective at a fixed policy: OUT/variance.csv and variance.png."""
+    from pathlib import Path
+
+    from .loop.variance import measure_variance
+    from .viz.curves import save
+    from .viz.variance import variance_figure
+
+    try:
+        names = split_top(a.objectives)
+    except ValueError as e:
+        raise ConfigError(f"--objectives: {e}") from None
+    df = measure_variance(names, task=a.task, K=a.K, reference_batches=a.reference_batches,
+                          prompts=a.prompts, G=a.G, checkpoint=a.checkpoint, seed=a.seed,
+                          rollout=a.rollout, threads=a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "variance.csv", index=False)
+    save(variance_figure(df, f"{a.task}: K={a.K} batches, reference {a.reference_batches} "
+                             f"batches of {a.prompts}×{a.G}"), out / "variance.png")
+    print(f"wrote {out / 'variance.csv'} and {out / 'variance.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradlab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("run", help="run folder")
     view.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
     view.set_defaults(fn=cmd_view)
+    var = sub.add_parser("variance", help="gradient noise of each objective at a fixed policy")
+    _add_variance_args(var)
+    var.set_defaults(fn=cmd_variance)
     chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
                          add_help=False)
     chk.set_defaults(fn=lambda a: _delegate(DELEGATED["check"], a.rest))
@@ -193,6 +220,26 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (chk, aud):
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
+
+
+def _add_variance_args(p: argparse.ArgumentParser) -> None:
+    from .loop.variance import DEFAULT_OBJECTIVES, ROLLOUTS
+
+    p.add_argument("--task", default="arithmetic", help="'arithmetic', 'scaffold' or a .jsonl file")
+    p.add_argument("--objectives", default=",".join(DEFAULT_OBJECTIVES),
+                   help="comma-separated, with parameters as for tandem: 'grpo,ibpo[form=ga+la]'")
+    p.add_argument("--K", type=int, default=32, help="rollout batches whose gradients give the "
+                   "noise and its bootstrap interval (default 32)")
+    p.add_argument("--reference-batches", type=int, default=128,
+                   help="further batches whose mean gradient is the reference (default 128)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch (the same in every batch)")
+    p.add_argument("--G", type=int, default=8, help="responses per prompt")
+    p.add_argument("--rollout", default="independent", choices=ROLLOUTS, help="rollout layout")
+    p.add_argument("--checkpoint", default=None, help="a run's checkpoints/<objective> folder or "
+                   "a Hugging Face model folder (default: the task's shipped warm start)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/variance", help="folder for variance.csv and variance.png")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
 
 
 def _delegate(module: str, argv: list[str]) -> int:
