@@ -74,7 +74,7 @@ def per_run(tidy: pd.DataFrame, task: str, layout: str) -> pd.DataFrame:
     """One row per (seed, objective): the figures the tables report, from the run store."""
     rows = []
     for (run, obj), o in tidy.groupby(["run", "objective"]):
-        def m(name):
+        def m(name, o=o):
             return o[o["metric"] == name].sort_values("step")["value"]
         ev, ent = m("eval_accuracy"), m("entropy")
         rows.append({"task": task, "layout": layout, "seed": int(run.removeprefix("seed")),

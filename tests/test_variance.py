@@ -195,3 +195,16 @@ def test_analysis_quick(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "K = 2 batches" in md and "| scaffold | ibpo[form=ga] |" in md
     assert "grpo = ibpo[form=ga]" in md  # measured: the two gradients coincide
+
+
+@pytest.mark.parametrize("rollout", ["tree", "repair"])
+def test_variance_on_counterfactual_layouts(rollout):
+    from gradlab.loop.variance import measure_variance
+
+    df = measure_variance(["grpo", "ibpo[form=ga+la]"], task="arithmetic", K=2,
+                          reference_batches=2, prompts=2, G=4, rollout=rollout, progress=False)
+    assert set(df["rollout"]) == {rollout}
+    gen = df[df["metric"] == "generated_tokens"]["value"]
+    assert len(gen) and (gen > 0).all()
+    noise = df[df["batch"].isna() & (df["metric"] == "grad_noise")]["value"]
+    assert len(noise) == 2 and noise.notna().all()

@@ -50,7 +50,7 @@ from .rollout import Rollout, generate
 from .step import rows_batch
 from .task import check_encodable, get_task
 
-ROLLOUTS = ("independent",)
+ROLLOUTS = ("independent", "tree", "repair")
 COLUMNS = ("task", "rollout", "objective", "seed", "batch", "tokens", "metric", "value")
 BASELINES = ("grpo", "gspo")
 DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth", "ibpo[form=ga]", "ibpo[form=la]",
@@ -61,14 +61,25 @@ def draw(rollout: str, model, tok, task, problems: list, G: int, b: int, seed: i
          max_new_tokens: int, temperature: float) -> Rollout:
     """Rollout batch `b` of the measurement: G responses to each of `problems`, rewards scored.
 
-    rollout: the layout. "independent": G independent samples per prompt, row r's noise
-    hashed from (seed, b, r) (`gradlab.loop.rollout.hashed_uniform`).
+    rollout: the layout (docs/guides/rollouts.md). "independent": G independent samples per
+    prompt, row r's noise hashed from (seed, b, r) (`gradlab.loop.rollout.hashed_uniform`);
+    "tree": a star of G − 1 alternative branches off one root per group (`--rollout tree
+    --roots 1 --branches G−1 --branch-token alternative`); "repair": the independent rows plus
+    the repairs of their incorrect responses (`--rollout repair`, resample, 4 tries).
     """
+    keys = (seed * 1_000_003 + b) * 1_000_003 + torch.arange(len(problems) * G)
     if rollout == "independent":
-        rows = torch.arange(len(problems) * G)
-        keys = (seed * 1_000_003 + b) * 1_000_003 + rows
         return generate(model, tok, problems, G, max_new_tokens, temperature, task=task,
                         row_keys=keys)
+    if rollout == "tree":
+        from .tree import generate_tree
+
+        return generate_tree(model, tok, problems, G, max_new_tokens, temperature, keys, roots=1,
+                             branches=G - 1, branch_token="alternative", task=task)
+    if rollout == "repair":
+        from .repair import generate_repair
+
+        return generate_repair(model, tok, problems, G, max_new_tokens, temperature, keys, task)
     raise ValueError(f"unknown rollout {rollout!r}; valid: {', '.join(ROLLOUTS)}")
 
 
@@ -197,6 +208,7 @@ def _draw_all(model, tok, task, problems, objs, K, R, G, seed, rollout, temperat
         ro = draw(rollout, model, tok, task, problems, G, b, seed, max_new_tokens, temperature)
         out = batch_readings(model, params, ro, objs, adv_scale, temperature)
         n_tok = int(ro.response_mask.sum())
+        gen = int(ro.new_tokens.sum()) + ro.discarded_tokens  # what sampling cost (layouts.py)
         for name, r in out.items():
             g = r["grad"]
             if b >= K:
@@ -206,7 +218,8 @@ def _draw_all(model, tok, task, problems, objs, K, R, G, seed, rollout, temperat
             kept[name][b] = g.float()
             for metric, v in (("grad_norm", float(g.norm())), ("adv_nonzero_frac", r["adv_nonzero_frac"]),
                               ("reward_comparison_corr", r["corr"]),
-                              ("reward", float(ro.rewards.mean()))):
+                              ("reward", float(ro.rewards.mean())),
+                              ("generated_tokens", gen)):
                 rows.append({"objective": name, "batch": b, "tokens": n_tok, "metric": metric,
                              "value": v})
     return kept, ref, rows
