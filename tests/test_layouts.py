@@ -211,7 +211,7 @@ def test_micro_batches_pack_groups_of_varying_size():
 
 
 ARGS = ["--objectives", "dfpo-min", "--prompts", "4", "--G", "4", "--minibatches", "2",
-        "--tax-every", "1", "--probe-contexts", "4", "--no-progress", "--eval-every", "0",
+        "--probe-contexts", "4", "--no-progress", "--eval-every", "0",
         "--ckpt-every", "1"]
 
 
