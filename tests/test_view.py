@@ -63,9 +63,22 @@ def test_page_in_headless_chromium(page_file):
             k = int(known.index[known["W"] != 0][-1])  # a token with a non-zero W
             pg.hover(f"#strips .tok >> nth={k}")
             detail = pg.inner_text("#detail")
+            by_w = pg.locator("#strips .tok").evaluate_all("ts => ts.map(t => t.style.background)")
+            pg.select_option("#colourby", "A")  # the advantage: one sign per row here
+            by_a = pg.locator("#strips .tok").evaluate_all("ts => ts.map(t => t.style.background)")
         finally:
             browser.close()
     assert not errors, errors
+    assert len(by_a) == len(by_w) == len(known)
+    m = at1[at1["objective"] == obj]["A"].abs().max()  # the scale: the objective's step
+
+    def alpha(c):  # "rgb(r, g, b)" is alpha 1
+        return 1.0 if c.startswith("rgb(") else float(c.rstrip(")").split(",")[-1])
+
+    want = (known["A"].abs() / m).clip(upper=1).to_numpy()
+    assert [alpha(c) for c in by_a] == pytest.approx(want, abs=2e-3)
+    red = [c.startswith(("rgb(214", "rgba(214")) for c in by_a]  # A ≥ 0 red, A < 0 blue
+    assert red == [bool(a >= 0) for a in known["A"]]
     row = known.iloc[k]
     assert f"row {row['row']}  position {row['position']}" in detail
     w = float(re.search(r"W = (\S+)", detail).group(1))

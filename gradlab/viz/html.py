@@ -94,14 +94,16 @@ PAGE = """<!DOCTYPE html>
 <style>{style}</style></head><body>
 <h1>gradlab run {title}</h1>
 <h2>Training curves</h2><div id="curves">{svg}</div>
-<h2>Token strips (hook-measured W per token)</h2>
-<p>Colour: W (blue &lt; 0 &lt; red, scaled to the largest |W| of the objective at that step);
+<h2>Token strips (hook-measured W, or the advantage A, per token)</h2>
+<p>Colour: W or, with "colour by A", the token's advantage A_{{i,t}} (per token under IBPO) — blue
+&lt; 0 &lt; red, scaled to the largest magnitude of the objective at that step;
 underline: dark blue = shared by the whole group, light blue = by a subset; dashed box = clipped.
 Tree and repair groups: &#8627;k after a row's label = it branched from (or repairs) row k, and a
 black left edge marks the position it was re-sampled from. Hover a token for its numbers.
 Last row: Σ_i W at each full-group shared position.</p>
 <div id="nav"><label>objective <select id="objective"></select></label>
 <label>step <select id="step"></select></label><label>group <select id="group"></select></label>
+<label>colour by <select id="colourby"><option value="W">W</option><option value="A">A</option></select></label>
 <span id="count"></span></div>
 <div id="strips"></div><div id="detail">hover a token</div>
 <script type="application/json" id="data">{data}</script>
@@ -134,8 +136,9 @@ function draw() {
   const obj = $("objective").value, step = $("step").value, grp = $("group").value;
   const strips = $("strips"); strips.innerHTML = "";
   if (!obj || !DATA[obj][step] || !DATA[obj][step][grp]) { $("count").textContent = "no traces"; return; }
+  const by = $("colourby").value;  // "W" or "A"
   let m = 0;
-  Object.values(DATA[obj][step]).forEach((g) => g.W.forEach((w) => { m = Math.max(m, Math.abs(w)); }));
+  Object.values(DATA[obj][step]).forEach((g) => g[by].forEach((v) => { m = Math.max(m, Math.abs(v)); }));
   const d = DATA[obj][step][grp];
   let rowDiv = null, cur = -1;
   d.W.forEach((w, i) => {
@@ -149,7 +152,7 @@ function draw() {
     const t = document.createElement("span");
     t.className = "tok" + (d.prefix_node[i] >= 0 ? " full" : d.trie_node[i] >= 0 ? " subset" : "") + (d.clip[i] ? " clip" : "") + (d.position[i] === d.branch_at[i] ? " branch" : "");
     t.textContent = d.text[i] === " " ? "\\u2423" : d.text[i];
-    t.style.background = colour(w, m);
+    t.style.background = colour(d[by][i], m);
     t.dataset.i = i;
     t.addEventListener("mouseenter", () => show(d, i));
     rowDiv.appendChild(t);
@@ -176,5 +179,6 @@ fill($("objective"), Object.keys(DATA));
 $("objective").addEventListener("change", steps);
 $("step").addEventListener("change", groups);
 $("group").addEventListener("change", draw);
+$("colourby").addEventListener("change", draw);
 steps();
 """
