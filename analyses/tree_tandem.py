@@ -166,14 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     for task in a.tasks.split(","):
         steps = layout_steps(task, a.steps or (2 if a.quick else STEPS[task]))
         plan[task] = steps
-        for layout, opts in LAYOUTS.items():
-            size = dict(QUICK, G=8, prompts=2) if a.quick else dict(
-                prompts=8, G=8, minibatches=4, tax_every=5, eval_size=128, progress=False)
-            size.update(steps=steps[layout], eval_every=steps[layout], ckpt_every=steps[layout],
-                        task=task, eval_size=16 if a.quick else size.get("eval_size", 128))
-            root = runs / task / layout
-            run_seeds(root, seeds, objectives=objs + EXTRA.get(layout, []), **opts, **size)
-            walls.append(per_run(load_seeds(root), task, layout))
+        for k in seeds:  # seed-major: a run cut short still has every layout of its first seeds
+            for layout, opts in LAYOUTS.items():
+                size = dict(QUICK, G=8, prompts=2) if a.quick else dict(
+                    prompts=8, G=8, minibatches=4, tax_every=5, progress=False)
+                size.update(steps=steps[layout], eval_every=steps[layout],
+                            ckpt_every=steps[layout], task=task, eval_size=16 if a.quick else 128)
+                run_seeds(runs / task / layout, [k], objectives=objs + EXTRA.get(layout, []),
+                          **opts, **size)
+        for layout in LAYOUTS:
+            tidy = load_seeds(runs / task / layout)
+            walls.append(per_run(tidy[tidy["run"].isin([f"seed{k}" for k in seeds])], task, layout))
     wide = pd.concat(walls, ignore_index=True)
     seconds = time.time() - t0
     t = table(wide)
