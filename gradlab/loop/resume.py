@@ -97,6 +97,8 @@ def read_config(path: Path) -> dict:
 def restore(store, learners: list, D) -> int:
     """Restore every learner from its checkpoint and drop metrics written after it; returns
     the step to continue from. No checkpoint at all: start over from step 0."""
+    store.recover_checkpoints()  # a crash between the renames of a checkpoint swap
+    D.barrier()
     have = [(store.path / "checkpoints" / L.name / "state.json").exists() for L in learners]
     if any(have) and not all(have):  # killed while saving the first checkpoints
         raise CorruptFileError(
