@@ -1,7 +1,9 @@
 """The `gradlab` command: run, tandem, reproduce, table, view, check, audit.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
-Bad options get a one-line error naming the option and its valid values.
+Bad options get a one-line error naming the option and its valid values. Exit codes: 0 ok,
+2 bad arguments, 3 non-finite, 4 write failure, 130 / 143 stopped by a signal after
+checkpointing (the table: gradlab/loop/exitcodes.py).
 """
 
 from __future__ import annotations
@@ -148,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sp, fn, defaults in ((run, cmd_train, None), (tandem, cmd_train, None),
                              (rep, cmd_reproduce, {"out": "runs/reproduce"})):
         _add_config_args(sp, defaults)
-        sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+        sp.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_arg,
+                        metavar="auto", help="continue from the last checkpoint; --resume auto: "
+                        "continue if --out holds a run, else start it (torchrun restarts do this)")
         sp.set_defaults(fn=fn)
     tab = sub.add_parser("table", help="ρ of every objective on synthetic groups")
     tab.add_argument("--G", type=int, default=8)
@@ -170,6 +174,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _resume_arg(v: str) -> str:
+    if v != "auto":
+        raise argparse.ArgumentTypeError(f"invalid value {v!r}: --resume takes no value or 'auto'")
+    return v
+
+
+def _resume_command(a: argparse.Namespace, out: str) -> str:
+    """The command that continues a stopped run (untyped options come from config.json)."""
+    import os
+    import shlex
+
+    cmd = f"gradlab {a.cmd}" + (f" {shlex.quote(a.objective)}" if a.cmd == "run" else "")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the same torchrun launch
+        cmd = f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m {cmd}"
+    return f"{cmd} --out {shlex.quote(str(out))} --resume"
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     """Sub-commands that own their argument parsing: module.main(argv) -> exit code."""
     import importlib
@@ -188,11 +209,20 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
+    from .loop.atomic import EXIT_WRITE, WriteError
     from .loop.guard import EXIT_NONFINITE, NonFiniteError
+    from .loop.preempt import Preempted
     from .loop.store import CorruptFileError
 
     try:
         return args.fn(args)
+    except Preempted as e:  # checkpointed; rank 0 alone says how to resume
+        if e.main:
+            print(f"gradlab {args.cmd}: {e.describe(_resume_command(args, e.out))}", file=sys.stderr)
+        return e.exit_code
+    except WriteError as e:
+        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_WRITE
     except NonFiniteError as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE

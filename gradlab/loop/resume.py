@@ -8,6 +8,9 @@
   applied and recorded in config.json). Nothing is silently ignored.
 - A folder without a checkpoint (killed before its first one) restarts from step 0 under
   --resume (`restore`).
+- `--resume auto` resumes when the folder holds a run and starts fresh when it does not; a job
+  that torchrun restarted (`--max-restarts N`, TORCHELASTIC_RESTART_COUNT > 0) does the same
+  by itself, so a restarted job continues from the last checkpoint (`resolve_resume`).
 - `gradlab reproduce` run again on a finished run re-makes its figures and summary; on a
   partial run it says exactly what to type (`run_status`, `reproduce_action`).
 """
@@ -92,6 +95,23 @@ def read_config(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} is corrupt (not a JSON object); restore it or start a new run")
     return data
+
+
+def resolve_resume(resume: bool | str, out: str | Path, D) -> bool:
+    """Whether to resume run folder `out`: `resume` True/False as given; "auto" (or any run
+    restarted by torchrun) when it holds a run (metrics.jsonl or checkpoints). Under torchrun
+    rank 0 looks and every rank takes its answer (a collective), so all ranks agree."""
+    from .dist import restart_count
+
+    if resume != "auto" and (resume or restart_count() == 0):
+        return bool(resume)
+    out = Path(out)
+    have = (out / "metrics.jsonl").exists() or (out / "checkpoints").is_dir()
+    if D.enabled:
+        have = D.gather(have)[0]
+    if have and restart_count():
+        log.warning("gradlab: restart %d of this torchrun job: resuming %s", restart_count(), out)
+    return bool(have)
 
 
 def restore(store, learners: list, D) -> int:
