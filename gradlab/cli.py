@@ -204,6 +204,7 @@ DELEGATED = {"check": "gradlab.check", "audit": "gradlab.integrations.trl_audit"
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
         return _delegate(DELEGATED[argv[0]], argv[1:])
@@ -211,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
     from .loop.atomic import EXIT_WRITE, WriteError
     from .loop.guard import EXIT_NONFINITE, NonFiniteError
-    from .loop.preempt import Preempted
+    from .loop.preempt import Preempted, StopSignals
     from .loop.store import CorruptFileError
+
+    # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
+    StopSignals.ignore_after_stop = program
 
     try:
         return args.fn(args)

@@ -13,7 +13,9 @@ exactly as if the run had not stopped (same metrics at a fixed thread count).
   loop/atomic.py).
 - Under torchrun every rank joins one all-reduce (max) of its stop flag per rollout step, so
   all ranks stop after the same step, whichever of them got the signal, and none hangs.
-- Handlers are installed only from the main thread and put back when `train` returns.
+- Handlers are installed only from the main thread and put back when `train` returns; the
+  `gradlab` command (`ignore_after_stop`) ignores these signals once it has stopped, so a late
+  signal cannot turn exit code 143 into a kill while it prints and exits.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class Preempted(Exception):
 class StopSignals:
     """Record SIGTERM / SIGINT / SIGUSR1 instead of dying (a context manager around training)."""
 
+    ignore_after_stop = False  # set by the `gradlab` command (a process that is about to exit)
+
     def __init__(self) -> None:
         self.signum: int | None = None
         self._old: dict = {}
@@ -63,7 +67,7 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.signum and self.ignore_after_stop else h)
         self._old = {}
 
     def _handle(self, signum: int, frame) -> None:
