@@ -81,3 +81,19 @@ def digest(folder: Path) -> dict[str, str]:
     """sha256 of every file under `folder` (a checkpoint that must survive unchanged)."""
     return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
             for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def can_unshare() -> bool:
+    """True when this process may make a private mount namespace (root with CAP_SYS_ADMIN):
+    the read-only and full-disk faults are then real mounts seen by the child alone."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+def in_mount_ns(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run shell `script` in a private mount namespace (its mounts vanish with it)."""
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
