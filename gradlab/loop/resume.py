@@ -109,7 +109,7 @@ def resolve_resume(resume: bool | str, out: str | Path, D) -> bool:
     have = (out / "metrics.jsonl").exists() or (out / "checkpoints").is_dir()
     if D.enabled:
         have = D.gather(have)[0]
-    if have and restart_count():
+    if have and restart_count() and D.main:
         log.warning("gradlab: restart %d of this torchrun job: resuming %s", restart_count(), out)
     return bool(have)
 

@@ -21,6 +21,7 @@ RUN = ["--objectives", "grpo", "--prompts", "4", "--G", "4", "--minibatches", "2
        "--probe-contexts", "4", "--tax-every", "1", "--no-progress", "--lr", "1e-3",
        "--seed", "3", "--eval-size", "4", "--trace-every", "2", "--threads", "1"]
 GRADLAB = [sys.executable, "-m", "gradlab"]
+STEPS = 4  # the reference run's length (conftest.py); a faulted run is resumed to it
 
 
 def table(path) -> pd.DataFrame:

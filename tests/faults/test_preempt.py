@@ -10,16 +10,16 @@ import pytest
 
 from gradlab.cli import main
 
-from .helpers import RUN, assert_same_run, ckpt_step, gradlab_cmd, last_line, popen, wait_lines
-
-STEPS = 5  # the reference length; a stopped run is resumed to it
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref") / "run"
-    assert main(["tandem", "--out", str(out), *RUN, "--steps", str(STEPS)]) == 0
-    return out
+from .helpers import (
+    RUN,
+    STEPS,
+    assert_same_run,
+    ckpt_step,
+    gradlab_cmd,
+    last_line,
+    popen,
+    wait_lines,
+)
 
 
 def _stop(out, sig, again: bool = False):
