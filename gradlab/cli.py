@@ -133,8 +133,14 @@ def cmd_table(a: argparse.Namespace) -> int:
 
 
 def cmd_view(a: argparse.Namespace) -> int:
-    from .viz.html import view
+    from .viz.html import view, watch
 
+    if a.watch:
+        try:
+            watch(a.run, a.out, a.watch)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C ends watching; the last page is whole (written by rename)
+        return 0
     print(f"wrote {view(a.run, a.out)}")
     return 0
 
@@ -162,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     view = sub.add_parser("view", help="one self-contained HTML page of a run (curves, token strips)")
     view.add_argument("run", help="run folder")
     view.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
+    view.add_argument("--watch", type=float, default=0, metavar="SECONDS",
+                      help="re-write the page every SECONDS while the run trains (the page "
+                           "reloads itself) until every step is checkpointed, or Ctrl-C")
     view.set_defaults(fn=cmd_view)
     chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
                          add_help=False)
