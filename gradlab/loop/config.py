@@ -155,4 +155,8 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
     if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
+    if c.task.endswith(".jsonl"):
+        from .untrusted import check_task_size
+
+        check_task_size(c.task)  # refused from its size, before anything reads it
 
