@@ -8,6 +8,8 @@ prints one line naming the checkpoint and the command that resumes, and exits wi
 SIGTERM or SIGUSR1, 130 after SIGINT (gradlab/loop/exitcodes.py). `--resume` then continues
 exactly as if the run had not stopped (same metrics at a fixed thread count).
 
+- A signal while the run starts (loading the model, restoring a checkpoint) is recorded the
+  same way: the run stops after its first step.
 - A second signal while the run finishes its step or saves is recorded and reported, never
   acted on: the save completes (SIGKILL still stops at once; the previous checkpoint survives,
   loop/atomic.py).
