@@ -1,7 +1,9 @@
 """The `gradlab` command: run, tandem, reproduce, table, view, variance, check, audit.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
-Bad options get a one-line error naming the option and its valid values.
+Bad options get a one-line error naming the option and its valid values. Exit codes: 0 ok,
+2 bad arguments, 3 non-finite, 4 write failure, 130 / 143 stopped by a signal after
+checkpointing (the table: gradlab/loop/exitcodes.py).
 """
 
 from __future__ import annotations
@@ -144,8 +146,14 @@ def cmd_table(a: argparse.Namespace) -> int:
 
 
 def cmd_view(a: argparse.Namespace) -> int:
-    from .viz.html import view
+    from .viz.html import view, watch
 
+    if a.watch:
+        try:
+            watch(a.run, a.out, a.watch)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C ends watching; the last page is whole (written by rename)
+        return 0
     print(f"wrote {view(a.run, a.out)}")
     return 0
 
@@ -197,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sp, fn, defaults in ((run, cmd_train, None), (tandem, cmd_train, None),
                              (rep, cmd_reproduce, {"out": "runs/reproduce"})):
         _add_config_args(sp, defaults)
-        sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+        sp.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_arg,
+                        metavar="auto", help="continue from the last checkpoint; --resume auto: "
+                        "continue if --out holds a run, else start it (torchrun restarts do this)")
         sp.set_defaults(fn=fn)
     tab = sub.add_parser("table", help="ρ of every objective on synthetic groups")
     tab.add_argument("--G", type=int, default=8)
@@ -207,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     view = sub.add_parser("view", help="one self-contained HTML page of a run (curves, token strips)")
     view.add_argument("run", help="run folder")
     view.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
+    view.add_argument("--watch", type=float, default=0, metavar="SECONDS",
+                      help="re-write the page every SECONDS while the run trains (the page "
+                           "reloads itself) until every step is checkpointed, or Ctrl-C")
     view.set_defaults(fn=cmd_view)
     var = sub.add_parser("variance", help="gradient noise of each objective at a fixed policy")
     _add_variance_args(var)
@@ -242,6 +255,23 @@ def _add_variance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
 
 
+def _resume_arg(v: str) -> str:
+    if v != "auto":
+        raise argparse.ArgumentTypeError(f"invalid value {v!r}: --resume takes no value or 'auto'")
+    return v
+
+
+def _resume_command(a: argparse.Namespace, out: str) -> str:
+    """The command that continues a stopped run (untyped options come from config.json)."""
+    import os
+    import shlex
+
+    cmd = f"gradlab {a.cmd}" + (f" {shlex.quote(a.objective)}" if a.cmd == "run" else "")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the same torchrun launch
+        cmd = f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m {cmd}"
+    return f"{cmd} --out {shlex.quote(str(out))} --resume"
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     """Sub-commands that own their argument parsing: module.main(argv) -> exit code."""
     import importlib
@@ -255,16 +285,29 @@ DELEGATED = {"check": "gradlab.check", "audit": "gradlab.integrations.trl_audit"
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
         return _delegate(DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
+    from .loop.atomic import EXIT_WRITE, WriteError
     from .loop.guard import EXIT_NONFINITE, NonFiniteError
+    from .loop.preempt import Preempted, StopSignals
     from .loop.store import CorruptFileError
+
+    # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
+    StopSignals.ignore_after_stop = program
 
     try:
         return args.fn(args)
+    except Preempted as e:  # checkpointed; rank 0 alone says how to resume
+        if e.main:
+            print(f"gradlab {args.cmd}: {e.describe(_resume_command(args, e.out))}", file=sys.stderr)
+        return e.exit_code
+    except WriteError as e:
+        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+        return EXIT_WRITE
     except NonFiniteError as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE

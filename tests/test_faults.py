@@ -348,7 +348,7 @@ def test_torn_last_metrics_line_is_cut_and_logged(one_step_run, caplog):
     before = _table(one_step_run)
     metrics.write_text(good + '{"step": 1, "objective": "grp')  # a crash mid-write
     pd.testing.assert_frame_equal(_table(one_step_run), before)
-    assert "torn last line cut" in caplog.text
+    assert "incomplete last line not read" in caplog.text
     assert main(["tandem", "--out", str(one_step_run), "--resume", "--steps", "2"]) == 0
     assert '"grp\n' not in metrics.read_text()
     # the good rows are kept (less the 1-step run's end-of-run evaluation, which a 2-step run

@@ -31,6 +31,7 @@ class RunConfig:
     task: str = "arithmetic"
     difficulty: int = 2
     model: str | None = None
+    trust_remote_code: bool = False  # run code a --model folder ships (config auto_map)
     steps: int = 150
     prompts: int = 8
     G: int = 8
@@ -158,10 +159,18 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
     if c.model is not None and not (Path(c.model) / "config.json").is_file():
         raise ConfigError(f"--model: no Hugging Face model folder (config.json) at {c.model}")
+    if c.model is not None:
+        from .untrusted import check_remote_code
+
+        check_remote_code(c.model, c.trust_remote_code)  # auto_map: refused unless trusted
     if not (c.device == "cpu" or c.device.startswith("cuda")):
         raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
     if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
+    if c.task.endswith(".jsonl"):
+        from .untrusted import check_task_size
+
+        check_task_size(c.task)  # refused from its size, before anything reads it
 
 
 

@@ -93,6 +93,27 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this job's workers (0: first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _init_process_group(backend: str, world: int) -> None:
+    """Join the default group. Under torchrun the workers meet on the agent's key-value store,
+    which outlives a restart: keys left by the dead round (rank addresses, barrier counters)
+    would be read by the new one, so each round uses its own key prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend)
+        return
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=False, timeout=timedelta(minutes=10))
+    store = dist.PrefixStore(f"gradlab/round{restart_count()}/", store)
+    dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=world)
+
+
 def setup(device: str, fsdp: bool = False) -> Dist:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1); else one process.
     fsdp: shard the policy (needs WORLD_SIZE ≥ 2: one process has nothing to shard across)."""
@@ -103,8 +124,7 @@ def setup(device: str, fsdp: bool = False) -> Dist:
                               "torchrun --nproc_per_node=N (N ≥ 2), or drop --fsdp for one process")
         return Dist()
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend=backend)
+        _init_process_group("nccl" if device.startswith("cuda") else "gloo", world)
     rank = dist.get_rank()
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

@@ -26,6 +26,7 @@ from transformers import (
 from .logprobs import token_logps
 from .rollout import generate
 from .task import ArithmeticTask, ScaffoldTask
+from .untrusted import check_pickles, check_remote_code
 
 DATA_DIR = Path(__file__).parent.parent / "data"
 DEFAULT_POLICY_DIR = DATA_DIR / "default_policy"
@@ -281,7 +282,7 @@ def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) ->
     return path
 
 
-def _load_folder(path: Path, device, attn: str = "sdpa") -> tuple:
+def _load_folder(path: Path, device, attn: str = "sdpa", trust_remote_code: bool = False) -> tuple:
     """(model, tokenizer) from a folder. float32 master weights whatever the stored dtype (a
     bf16 folder trained in bf16 loses small AdamW updates to rounding; `--amp` autocasts the
     forward to bf16 on CUDA instead); SDPA attention unless told (the toy policies use eager)."""
@@ -291,11 +292,12 @@ def _load_folder(path: Path, device, attn: str = "sdpa") -> tuple:
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per tiny load is noise
     try:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code)
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:  # many HF LMs ship without a pad token
         tokenizer.pad_token = tokenizer.eos_token
@@ -310,7 +312,8 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_policy(
-    path: str | Path | None = None, task=None, cache_dir: str | Path | None = None, device="cpu"
+    path: str | Path | None = None, task=None, cache_dir: str | Path | None = None, device="cpu",
+    trust_remote_code: bool = False,
 ) -> tuple:
     """Load (model, tokenizer).
 
@@ -318,13 +321,17 @@ def load_policy(
         missing. path=None: the warm-started tiny policy for `task` (default ArithmeticTask(2)):
         the shipped gradlab/data/default_policy for the default task, otherwise warm-started on
         first use (seed 0) and cached under `cache_root(cache_dir)/<task.key>-seed0`.
-    The model is returned in eval mode on `device`.
+    The model is returned in eval mode on `device`. A folder that asks for remote code
+    (auto_map) is refused unless trust_remote_code; pickle weights are read with
+    weights_only=True only (loop/untrusted.py).
     """
     if path is not None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model folder (config.json) at {path}")
-        return _load_folder(path, device)
+        check_remote_code(path, trust_remote_code)
+        check_pickles(path)
+        return _load_folder(path, device, trust_remote_code=trust_remote_code)
     key = task.key if task is not None else ArithmeticTask().key
     if key == ArithmeticTask().key and (DEFAULT_POLICY_DIR / "config.json").is_file():
         return _load_folder(DEFAULT_POLICY_DIR, device, attn="eager")

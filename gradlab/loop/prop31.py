@@ -119,7 +119,8 @@ def prop31_tandem(cfg: RunConfig, progress: bool = False) -> list[dict]:
     torch.manual_seed(cfg.seed)
     builtin = cfg.task == "arithmetic"
     task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)
-    model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device)
+    model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device,
+                             trust_remote_code=cfg.trust_remote_code)
     learners = make_learners(cfg, model, cfg.objectives)
     meter = float64_meter(model)
     records = []

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from .. import viz as plots
+from .atomic import write_file, writing
 from .config import RunConfig
 from .lock import acquire
 from .resume import reproduce_action
@@ -68,7 +69,9 @@ def reproduce(cfg: RunConfig, resume: bool = False) -> str:
 
 
 def _write(cfg: RunConfig, tidy: pd.DataFrame, path: Path, t_train: float, action: str) -> str:
-    plots.save(plots.training_curves(tidy, smooth=3), path / "figures" / "training_curves.png")
+    png = path / "figures" / "training_curves.png"
+    with writing(png):  # a full disk: exit code 4 naming the file (loop/atomic.py)
+        plots.save(plots.training_curves(tidy, smooth=3), png)
     table = summarize(tidy)
     took = (f"training took {t_train:.0f} s" if action == "train" else
             f"training took {t_train:.0f} s (recorded step times; figures re-made from the "
@@ -80,5 +83,5 @@ def _write(cfg: RunConfig, tidy: pd.DataFrame, path: Path, t_train: float, actio
           table.to_markdown(index=False, floatfmt=".3g"), "",
           "Figures: figures/training_curves.png. Metrics: metrics.jsonl (gradlab.load_run)."]
     text = "\n".join(md)
-    (path / "summary.md").write_text(text + "\n")
+    write_file(path / "summary.md", text + "\n")
     return text

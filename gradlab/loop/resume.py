@@ -8,6 +8,9 @@
   applied and recorded in config.json). Nothing is silently ignored.
 - A folder without a checkpoint (killed before its first one) restarts from step 0 under
   --resume (`restore`).
+- `--resume auto` resumes when the folder holds a run and starts fresh when it does not; a job
+  that torchrun restarted (`--max-restarts N`, TORCHELASTIC_RESTART_COUNT > 0) does the same
+  by itself, so a restarted job continues from the last checkpoint (`resolve_resume`).
 - `gradlab reproduce` run again on a finished run re-makes its figures and summary; on a
   partial run it says exactly what to type (`run_status`, `reproduce_action`).
 """
@@ -94,9 +97,28 @@ def read_config(path: Path) -> dict:
     return data
 
 
+def resolve_resume(resume: bool | str, out: str | Path, D) -> bool:
+    """Whether to resume run folder `out`: `resume` True/False as given; "auto" (or any run
+    restarted by torchrun) when it holds a run (metrics.jsonl or checkpoints). Under torchrun
+    rank 0 looks and every rank takes its answer (a collective), so all ranks agree."""
+    from .dist import restart_count
+
+    if resume != "auto" and (resume or restart_count() == 0):
+        return bool(resume)
+    out = Path(out)
+    have = (out / "metrics.jsonl").exists() or (out / "checkpoints").is_dir()
+    if D.enabled:
+        have = D.gather(have)[0]
+    if have and restart_count() and D.main:
+        log.warning("gradlab: restart %d of this torchrun job: resuming %s", restart_count(), out)
+    return bool(have)
+
+
 def restore(store, learners: list, D) -> int:
     """Restore every learner from its checkpoint and drop metrics written after it; returns
     the step to continue from. No checkpoint at all: start over from step 0."""
+    store.recover_checkpoints()  # a crash between the renames of a checkpoint swap
+    D.barrier()
     have = [(store.path / "checkpoints" / L.name / "state.json").exists() for L in learners]
     if any(have) and not all(have):  # killed while saving the first checkpoints
         raise CorruptFileError(

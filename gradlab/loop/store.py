@@ -12,6 +12,14 @@
 columns  run, objective, seed, step, tokens, metric, value  (one row per step × objective ×
 metric). A torn last line (a crash mid-write) is skipped and logged; a corrupt line
 anywhere else is an error naming the file and line (never a silent deletion).
+
+Durability (loop/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
+are fsynced and renamed; metrics lines are appended whole (a failed append is cut back); a
+checkpoint is written whole under checkpoints/<objective>.tmp and swapped in, the previous one
+deleted only after that. A write that fails raises `WriteError` (exit code 4) naming the path.
+
+Readers during writes: `load_run` on a run being written returns the records of the complete
+lines, in order — a consistent prefix of the run (the line being appended is not read).
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic import append_line, fsync_dir, fsync_file, remove, write_file, writing
 from .lock import acquire
 from .resume import CorruptFileError, check_resume_config, read_config
 
 log = logging.getLogger("gradlab")
 ID_COLUMNS = ("run", "objective", "seed", "step", "tokens")
 TIDY_COLUMNS = ID_COLUMNS + ("metric", "value")
+_REPORTED: set = set()  # torn last lines already logged by this process
 
 
 class RunStore:
@@ -47,8 +57,9 @@ class RunStore:
         self._lock = None
         if not write:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = acquire(self.path)  # one writer per folder (loop/lock.py)
+        with writing(self.path):  # a read-only or missing place: exit code 4 naming it
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = acquire(self.path)  # one writer per folder (loop/lock.py)
         if not resume and (self.path / "metrics.jsonl").exists():
             self.close()
             raise FileExistsError(f"--out {self.path} already holds a run: pass --resume to "
@@ -79,11 +90,7 @@ class RunStore:
         """Append one record and make it durable before returning."""
         if not self.write:
             return
-        line = json.dumps(_jsonable(record), sort_keys=True)
-        with open(self.path / file, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path / file, json.dumps(_jsonable(record), sort_keys=True))
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps > step (written after the last checkpoint)."""
@@ -111,23 +118,52 @@ class RunStore:
 
     # --- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, name: str, model, optimizer, state: dict, tensors: dict) -> None:
-        """Model and optimizer in safetensors, plus JSON state and extra tensors (RNG states)."""
+        """Model and optimizer in safetensors, plus JSON state and extra tensors (RNG states).
+
+        Written whole into checkpoints/<name>.tmp (files fsynced), then swapped in: the old
+        checkpoint is renamed to <name>.old, the new one to <name>, and only then is the old
+        one deleted. A failed write (`WriteError`, exit code 4) leaves the old one in place."""
         if not self.write:
             return
         d = self.path / "checkpoints" / name
-        tmp = d.with_name(d.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(_dedupe(sd), tmp / "model.safetensors")
-        opt_t, opt_meta = _flatten_optimizer(optimizer)
-        save_file({**opt_t, **{f"extra.{k}": v.cpu() for k, v in tensors.items()}},
-                  tmp / "optimizer.safetensors")
-        (tmp / "state.json").write_text(json.dumps({**state, "optimizer": opt_meta}, indent=1))
-        if d.exists():
-            for f in d.iterdir():
-                f.unlink()
-            d.rmdir()
-        tmp.rename(d)  # a crash mid-save leaves the previous checkpoint intact
+        tmp, old = d.with_name(d.name + ".tmp"), d.with_name(d.name + ".old")
+        remove(tmp)  # a crash mid-save left it: never the last good checkpoint
+        try:
+            with writing(tmp):
+                tmp.mkdir(parents=True)
+            sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+            with writing(tmp / "model.safetensors"):
+                save_file(_dedupe(sd), tmp / "model.safetensors")
+            opt_t, opt_meta = _flatten_optimizer(optimizer)
+            with writing(tmp / "optimizer.safetensors"):
+                save_file({**opt_t, **{f"extra.{k}": v.cpu() for k, v in tensors.items()}},
+                          tmp / "optimizer.safetensors")
+            for f in ("model.safetensors", "optimizer.safetensors"):
+                fsync_file(tmp / f)
+            write_file(tmp / "state.json", json.dumps({**state, "optimizer": opt_meta}, indent=1))
+        except BaseException:
+            remove(tmp)  # free the space; the previous checkpoint is untouched
+            raise
+        with writing(d):
+            if d.exists():
+                remove(old)
+                d.rename(old)
+            tmp.rename(d)
+        fsync_dir(d.parent)
+        remove(old)
+
+    def recover_checkpoints(self) -> None:
+        """After a crash between the two renames of `save_checkpoint`: put <name>.old back."""
+        if not self.write:
+            return
+        for old in (self.path / "checkpoints").glob("*.old"):
+            d = old.with_name(old.name[: -len(".old")])
+            if not (d / "state.json").exists():
+                log.warning("%s: restoring the previous checkpoint %s (a crash while saving)", d, old)
+                remove(d)
+                old.rename(d)
+            else:
+                remove(old)
 
     def load_checkpoint(self, name: str, model, optimizer) -> tuple[dict, dict]:
         """Restore model and optimizer in place; returns (state, extra tensors).
@@ -222,9 +258,7 @@ def _unflatten_optimizer(flat: dict, meta: dict) -> dict:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_file(path, text)  # temp name, fsync, rename (loop/atomic.py)
 
 
 def _jsonable(rec: dict) -> dict:
@@ -247,7 +281,7 @@ def _cut_torn_tail(path: Path) -> None:
         return
     keep = raw[: raw.rfind(b"\n") + 1]
     log.warning("%s: torn last line cut (a crash mid-write): %r", path, raw[len(keep):][:80])
-    with open(path, "r+b") as f:
+    with writing(path), open(path, "r+b") as f:
         f.truncate(len(keep))
         os.fsync(f.fileno())
 
@@ -267,8 +301,11 @@ def _read_jsonl(path: Path) -> list[dict]:
             if not isinstance(rec, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            if i == len(lines):
-                log.warning("%s:%d: torn last line cut (a crash mid-write): %r", path, i, line[:80])
+            if i == len(lines):  # a line being written, or torn by a crash: not read
+                if (str(path), i, line) not in _REPORTED:  # reported once per torn line
+                    _REPORTED.add((str(path), i, line))
+                    log.warning("%s:%d: incomplete last line not read (being written, or torn "
+                                "by a crash; --resume cuts it): %r", path, i, line[:80])
                 continue
             raise CorruptFileError(
                 f"{path}:{i}: corrupt line ({e}) before the end of the file: restore the file "

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ConfigError
+from .untrusted import check_task_size
 
 TEMPLATE_PREFIX = "so "
 # Well-formed arithmetic response: "so <int>+<int>=<int>".
@@ -157,6 +158,7 @@ class JsonlTask:
         if not self.path.is_file():
             raise FileNotFoundError(f"JSONL task file not found: {self.path}")
         self.seed = seed
+        check_task_size(self.path)  # refused before it is read (loop/untrusted.py)
         raw = self.path.read_bytes()
         self._digest = hashlib.sha1(raw).hexdigest()[:12]
         self._items = self._parse(_decode_utf8(self.path, raw))

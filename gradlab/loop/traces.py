@@ -30,6 +30,7 @@ Which groups: the lowest group labels present in this process's rollout (under D
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -41,6 +42,9 @@ from torch import Tensor
 
 from ..core.batch import TokenBatch
 from ..core.nodes import shared_nodes
+from .atomic import fsync_file, remove, writing
+
+log = logging.getLogger("gradlab")
 
 COLUMNS = ("objective", "step", "opt_step", "group", "row", "position", "token_id", "text",
            "mask", "A", "r", "s", "W", "W_closed", "clip", "prefix_node", "trie_node",
@@ -154,11 +158,18 @@ class TraceWriter:
         df["text"] = [self._text(int(t)) for t in df["token_id"]] if len(df) else []
         df = df[list(COLUMNS)].sort_values(["opt_step", "group", "row", "position"], kind="stable")
         d = self.path / _safe(objective)
-        d.mkdir(parents=True, exist_ok=True)
         out = d / f"step{step:06d}.parquet"
         tmp = out.with_name(out.name + ".tmp")
-        df.reset_index(drop=True).to_parquet(tmp, index=False)
-        os.replace(tmp, out)
+        try:  # temp name, fsync, rename: a reader sees whole files only (loop/atomic.py)
+            with writing(out):
+                d.mkdir(parents=True, exist_ok=True)
+                df.reset_index(drop=True).to_parquet(tmp, index=False)
+            fsync_file(tmp)
+            with writing(out):
+                os.replace(tmp, out)
+        except BaseException:
+            remove(tmp)
+            raise
         return out
 
     def _text(self, tid: int) -> str:
@@ -179,7 +190,9 @@ def load_traces(run: str | Path, objective: str | None = None,
     """The token traces of a run folder as one tidy DataFrame (columns: `COLUMNS` + run).
 
     objective / step filter by label and rollout step. Raises FileNotFoundError naming the folder
-    when the run has no traces (an old run, or --trace-every 0).
+    when the run has no traces (an old run, or --trace-every 0). On a run being written it
+    returns the steps whose files are complete (files appear whole, by rename); an unreadable
+    file is skipped with a warning naming it.
     """
     run = Path(run)
     base = run / "traces"
@@ -191,9 +204,25 @@ def load_traces(run: str | Path, objective: str | None = None,
              if step is None or int(_FILE.search(f.name).group(1)) == step]
     if not files:
         raise FileNotFoundError(f"no traces in {base} for objective={objective!r}, step={step!r}")
-    df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    frames = [df for df in map(_read_trace, files) if df is not None]
+    if not frames:
+        raise FileNotFoundError(f"no readable traces in {base} for objective={objective!r}, "
+                                f"step={step!r}")
+    df = pd.concat(frames, ignore_index=True)
     df.insert(0, "run", run.name)
     return df
+
+
+def _read_trace(path: Path) -> pd.DataFrame | None:
+    """One step's trace file; None (logged) when it vanished since it was listed (a resume
+    deleting steps after its checkpoint) or cannot be read (a file system that lost it)."""
+    try:
+        return pd.read_parquet(path)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # Arrow raises its own error types for a damaged file
+        log.warning("%s: trace file not read (%s)", path, str(e).splitlines()[0][:120])
+        return None
 
 
 def record_trace(L, ro, rows: Tensor, batch: TokenBatch, W: Tensor | None) -> None:

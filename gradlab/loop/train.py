@@ -30,9 +30,10 @@ from .layouts import sample_layout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
+from .preempt import Preempted, StopSignals
 from .probeset import probe_metrics, probe_set
 from .realmodel import format_problems, prepare_run
-from .resume import restore
+from .resume import resolve_resume, restore
 from .rollout import Rollout
 from .step import amp_context, minibatches, optimizer_step
 from .store import RunStore
@@ -121,13 +122,22 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
     return rec, ro
 
 
-def train(cfg: RunConfig, resume: bool = False) -> RunStore:
+def train(cfg: RunConfig, resume: bool | str = False) -> RunStore:
     """Run the tandem (or same-batch) loop; returns the run store.
 
     Under torchrun (WORLD_SIZE > 1) every rank runs this function on its shard of the prompts
-    (gradlab.loop.dist); rank 0 alone writes the store and checkpoints.
+    (gradlab.loop.dist); rank 0 alone writes the store and checkpoints. resume: True, False
+    or "auto" (resume when `cfg.out` holds a run; what a torchrun restart does, loop/resume.py).
+    SIGTERM, SIGUSR1 or SIGINT: the step in flight is finished and checkpointed, then
+    `Preempted` is raised (loop/preempt.py).
     """
+    with StopSignals() as signals:
+        return _train(cfg, resume, signals)
+
+
+def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore:
     D = setup(cfg.device, cfg.fsdp)
+    resume = resolve_resume(resume, cfg.out, D)
     if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"):
         raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups "
                           "and adv_scale='batch' need one process")
@@ -137,7 +147,8 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
     builtin = cfg.task in BUILTIN_TASKS
     task = get_task(cfg.task, **({"difficulty": cfg.difficulty} if cfg.task == "arithmetic" else {}))
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
-    model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device)
+    model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device,
+                             trust_remote_code=cfg.trust_remote_code)
     check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/task.py)
     # training never draws a held-out problem; evaluation uses only those (loop/heldout.py)
     evalset = eval_problems(task, cfg.eval_size) if cfg.eval_every else []
@@ -167,6 +178,7 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
         L.tracer = tracer
     bar = tqdm(range(start, cfg.steps), desc="train", disable=not (cfg.progress and D.main),
                initial=start, total=cfg.steps)
+    stop = 0
     for step in bar:
         post = {}
         for L in learners:
@@ -192,7 +204,8 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
             post[L.name] = f"r={rec['reward']:.2f}" + (
                 f" ρ={rec['rho_prefix']:.2f}" if "rho_prefix" in rec else "")
         bar.set_postfix_str(" | ".join(f"{k}: {v}" for k, v in post.items()))
-        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
+        stop = signals.requested(D, cfg.device)  # a signal: every rank stops after this step
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps or stop:
             for L in learners:  # FSDP: full tensors gathered, one process's layout
                 m, o = (full_checkpoint(L.model, L.opt, D.main) if D.fsdp
                         else (unwrap(L.model), L.opt))
@@ -200,8 +213,12 @@ def train(cfg: RunConfig, resume: bool = False) -> RunStore:
                                       {"step": step + 1, "tokens": L.tokens},
                                       {"gen": L.gen.get_state()})
             D.barrier()
+        if stop:
+            break
     live.close()
     D.close()
     store.close()  # release the run folder's writer lock (loop/lock.py)
+    if stop:
+        raise Preempted(stop, step + 1, cfg.steps, store.path, D.main)
     return store
 

@@ -5,6 +5,11 @@ step's token strips (gradlab.load_traces) as JSON read by a small inline script:
 objective, a step and a group; each token is coloured by its hook-measured W (blue < 0 < red,
 scaled to the largest |W| of that objective and step) and hovering shows W measured and in closed
 form, A, r, s, the prefix/trie node and the clip flag. Nothing is fetched: no CDN, no fonts.
+
+On a run that is being written the page shows a consistent prefix: the steps whose metrics
+lines and trace files are complete. `gradlab view RUN --watch SECONDS` re-writes the page every
+SECONDS (the page reloads itself at that period) until every configured step is checkpointed,
+or Ctrl-C; without --watch, run `gradlab view RUN` again for newer steps.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..loop.atomic import write_file
 from .curves import CURVES, plt, training_curves
 from .runs import run_title
 
@@ -58,8 +64,9 @@ def render(title: str, svg: str, payload: dict) -> str:
     return PAGE.format(title=html.escape(title), svg=svg, data=data, script=SCRIPT, style=STYLE)
 
 
-def view(run: str | Path, out: str | Path | None = None) -> Path:
-    """Write the page of run folder `run` (default RUN/view.html); returns its path."""
+def view(run: str | Path, out: str | Path | None = None, refresh: float | None = None) -> Path:
+    """Write the page of run folder `run` (default RUN/view.html); returns its path.
+    refresh: seconds after which the browser reloads the page (a run being watched)."""
     from ..loop.store import load_run
     from ..loop.traces import load_traces
 
@@ -73,8 +80,33 @@ def view(run: str | Path, out: str | Path | None = None) -> Path:
         payload = {}
     out = Path(out) if out is not None else run / "view.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(run_title(run), svg, payload), encoding="utf-8")
+    page = render(run_title(run), svg, payload)
+    if refresh:
+        page = page.replace("<head>", f'<head><meta http-equiv="refresh" content="{refresh:g}">', 1)
+    write_file(out, page)  # whole or absent: a browser never reads half a page
     return out
+
+
+def watch(run: str | Path, out: str | Path | None = None, every: float = 30.0,
+          rounds: int | None = None, say=print) -> Path:
+    """Re-write the page of `run` every `every` seconds until all its configured steps are
+    checkpointed (then one last page without the reload) or after `rounds` pages."""
+    import time
+
+    from ..loop.resume import run_status
+
+    n = 0
+    while True:
+        status = run_status(run)  # (steps checkpointed, steps configured) or None
+        done = status is not None and status[0] >= status[1]
+        n += 1
+        last = done or (rounds is not None and n >= rounds)
+        path = view(run, out, refresh=None if last else every)
+        say(f"wrote {path} ({status[0] if status else 0} of {status[1] if status else '?'} "
+            "steps checkpointed)" + ("" if last else f"; again in {every:g} s (Ctrl-C stops)"))
+        if last:
+            return path
+        time.sleep(every)
 
 
 STYLE = """
