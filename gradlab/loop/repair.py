@@ -3,7 +3,8 @@ response whose group holds a correct one (MATH.md §6b).
 
 For an incorrect row i the reference is the correct row of its group that agrees with it
 longest from the start (ties: the lower row); the departure d is the first response position
-where the two token sequences differ (`first_departure`). The repair keeps i's tokens before d:
+where the two token sequences differ (`first_departure`). The repair keeps i's tokens before
+the position it starts from (d, except for "local"):
 - "resample": the policy re-samples the continuation from d (reusing i's KV cache, as a tree
   branch does), up to `tries` times; the first correct try is kept, a repair whose tries all
   fail adds no row. With branch_token "alternative" the token at d may not be i's own.
