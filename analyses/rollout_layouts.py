@@ -46,6 +46,9 @@ LAYOUTS = {  # label -> RunConfig options
     "repair": {"rollout": "repair"},
     "repair alternative": {"rollout": "repair", "branch_token": "alternative"},
     "repair splice": {"rollout": "repair", "repair": "splice"},
+    "repair local": {"rollout": "repair", "repair": "local"},
+    "repair local alternative": {"rollout": "repair", "repair": "local",
+                                 "branch_token": "alternative"},
 }
 
 
@@ -155,7 +158,9 @@ def write_md(df: pd.DataFrame, mo: dict, a) -> None:
         "2 roots × 2 branches per path ('star': 1 root × 7 branches, `--roots 1 --branches 7`), "
         "entropy-weighted positions unless 'uniform', branch token sampled unless "
         "'alternative'; repair = "
-        "resample with 4 tries unless 'splice'. Ratios of sums over all groups. "
+        "resample from the first departure with 4 tries unless 'splice'; 'local' = "
+        "`--repair local` (4 tries, from the last position before the stop token, one "
+        "position earlier per try). Ratios of sums over all groups. "
         "duplicates_per_group counts every row (a repair that reproduces a sampled correct "
         "response is a duplicate); sampled_duplicates_per_group only the policy's own samples.", "",
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -173,7 +178,12 @@ def write_md(df: pd.DataFrame, mo: dict, a) -> None:
               "it, so that trie node already has children of different mean reward; a repair adds "
               "a node only where its own continuation later leaves the reference, and its sampled "
               "tokens (failed tries included) add to the denominator. What a repair adds is the "
-              "(incorrect, corrected) pair and its edited tokens, which this count does not see."]
+              "(incorrect, corrected) pair and its edited tokens, which this count does not see. "
+              "A local repair adds a node only when a try from a position after the departure "
+              "succeeds; on these policies most kept local repairs are tries at the departure "
+              "itself (the last position before the stop is often where the response already "
+              "parts from its reference: a wrong final digit), and a response that departs "
+              "earlier is rarely fixed by rewriting its last tokens."]
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -55,8 +55,10 @@ HELP = {
     "branch_at": "tree: branch positions drawn by token entropy or uniformly",
     "branch_token": "tree/repair: the branch token is sampled, or an alternative (the "
                     "parent's token excluded; old_logps stay the policy's own log-probs)",
-    "repair": "repair: resample the continuation from the departure, or splice the reference",
-    "repair_tries": "repair resample: tries per incorrect response (first correct one kept)",
+    "repair": "repair: resample the continuation from the departure, splice the reference, or "
+              "local (re-sample from the response's last positions first, walking back)",
+    "repair_tries": "repair resample/local: tries per incorrect response (first correct one "
+                    "kept; local: each from one position earlier)",
     "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
               "trains with plain trainer metrics only",
 }

@@ -15,11 +15,12 @@ import gradlab
 from gradlab.loop.layouts import _trie_points, batch_repair_of, layout_sums
 from gradlab.loop.logprobs import positions, token_logps
 from gradlab.loop.policy import load_policy
-from gradlab.loop.repair import edited_span, first_departure, generate_repair, repair_plan
+from gradlab.loop.repair import (edited_span, first_departure, generate_repair, local_positions,
+                                 repair_plan)
 from gradlab.loop.rollout import Rollout, generate, stop_ids
 from gradlab.loop.step import micro_batches
 from gradlab.loop.task import ArithmeticTask
-from gradlab.loop.tree import decode, generate_tree, tree_shape
+from gradlab.loop.tree import decode, generate_tree, mix_keys, tree_shape
 
 G = 8
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -47,30 +48,37 @@ def test_tree_shape_breadth_first():
     assert [p for _, p, _ in tree_shape(4, 4, 3)] == [-1] * 4  # roots only
 
 
-def _check_children(model, tok, ro, keys, T, alternative):
-    """Every branched row, re-sampled with its whole prefix fed from scratch (no cache), draws
-    the same tokens with the same log-probs; old_logps equal token_logps' recomputation."""
+def _recompute(model, tok, ro, c: int, p: int, t: int, key: torch.Tensor, T: int,
+               alternative: bool) -> None:
+    """Row c re-sampled from position t with its whole prefix fed from scratch (no cache) and
+    noise key `key` draws the same tokens with the same log-probs; p: the row it leaves."""
     stops = stop_ids(model, tok)
+    assert torch.equal(ro.response_ids[c, :t], ro.response_ids[p, :t])  # the shared prefix
+    pm = ro.prompt_mask[c]
+    feed = torch.cat([ro.prompt_ids[c, pm], ro.response_ids[c, :t]])[None]
+    fm = torch.ones_like(feed, dtype=torch.bool)
+    pre = torch.zeros(1, T, dtype=torch.long)
+    pre[0, :t] = ro.response_ids[c, :t]
+    ex = ro.response_ids[p, t].view(1) if alternative else None
+    ref = decode(model, feed, fm, positions(fm), None, fm[:, :0], feed[:, :0],
+                 torch.tensor([t]), key.view(1), (pre, torch.zeros(1, T), torch.zeros(1, T)),
+                 ex, T, 1.0, stops, len(tok))
+    L = int(ro.lengths[c])
+    assert int(ref.lengths[0]) == L and torch.equal(ref.tokens[0, t:L], ro.response_ids[c, t:L])
+    torch.testing.assert_close(ref.logps[0, t:L], ro.old_logps[c, t:L], atol=1e-5, rtol=0)
+    if alternative:
+        assert ro.response_ids[c, t] != ro.response_ids[p, t]  # a different decision
+    assert int(ro.generated[c]) == L - t
+
+
+def _check_children(model, tok, ro, keys, T, alternative):
+    """Every branched row equals its recomputation from scratch (`_recompute`); old_logps
+    equal token_logps' recomputation."""
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
     torch.testing.assert_close(lp.detach(), ro.old_logps, atol=5e-5, rtol=0)
     for c in (ro.parent >= 0).nonzero().squeeze(-1).tolist():
-        p, t = int(ro.parent[c]), int(ro.branch_at[c])
-        assert torch.equal(ro.response_ids[c, :t], ro.response_ids[p, :t])  # the shared prefix
-        pm = ro.prompt_mask[c]
-        feed = torch.cat([ro.prompt_ids[c, pm], ro.response_ids[c, :t]])[None]
-        fm = torch.ones_like(feed, dtype=torch.bool)
-        pre = torch.zeros(1, T, dtype=torch.long)
-        pre[0, :t] = ro.response_ids[c, :t]
-        ex = ro.response_ids[p, t].view(1) if alternative else None
-        ref = decode(model, feed, fm, positions(fm), None, fm[:, :0], feed[:, :0],
-                     torch.tensor([t]), keys[c].view(1), (pre, torch.zeros(1, T), torch.zeros(1, T)),
-                     ex, T, 1.0, stops, len(tok))
-        L = int(ro.lengths[c])
-        assert int(ref.lengths[0]) == L and torch.equal(ref.tokens[0, t:L], ro.response_ids[c, t:L])
-        torch.testing.assert_close(ref.logps[0, t:L], ro.old_logps[c, t:L], atol=1e-5, rtol=0)
-        if alternative:
-            assert ro.response_ids[c, t] != ro.response_ids[p, t]  # a different decision
-        assert int(ro.generated[c]) == L - t
+        _recompute(model, tok, ro, c, int(ro.parent[c]), int(ro.branch_at[c]), keys[c], T,
+                   alternative)
 
 
 @pytest.mark.parametrize("branch_token", ["sample", "alternative"])
@@ -146,7 +154,7 @@ def test_repair_plan_picks_the_longest_agreeing_correct_reference():
     assert repair_plan(tok, mask, correct, group) == [(0, 1, 2)]
 
 
-@pytest.mark.parametrize("mode", ["resample", "splice"])
+@pytest.mark.parametrize("mode", ["resample", "splice", "local"])
 def test_repair_rollout(setup, mode):
     model, tok, task, problems, keys = setup
     ro = generate_repair(model, tok, problems, G, task.max_new_tokens, 1.0, keys, task, mode=mode,
@@ -173,6 +181,58 @@ def test_repair_rollout(setup, mode):
     rows = torch.arange(ro.group.numel())
     assert torch.equal(ro.group, ro.group.sort().values)  # group-major: repairs follow their group
     assert (ro.repair_of[rep] < rows[rep]).all()
+
+
+def test_local_positions_start_before_the_stop_and_not_before_the_departure():
+    stops = [1]
+    tokens = torch.tensor([[5, 6, 7, 8, 1, 0], [5, 6, 7, 8, 9, 9], [5, 6, 1, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1] * 6, [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    # stop at 4 -> last token before it (3); no stop -> the last token (5); never before d
+    assert local_positions(tokens, mask, torch.tensor([1, 2, 2]), stops).tolist() == [3, 5, 2]
+    assert local_positions(tokens, mask, torch.tensor([4, 0, 0]), stops).tolist() == [4, 5, 1]
+
+
+def _sampled_plan(ro):
+    own = (ro.repair_of < 0).nonzero().squeeze(-1)
+    return own, repair_plan(ro.response_ids[own], ro.response_mask[own], ro.rewards[own] > 0,
+                            ro.group[own])
+
+
+@pytest.mark.parametrize("branch_token", ["sample", "alternative"])
+def test_local_repair_kv_reuse_equals_recomputation(setup, branch_token):
+    """Each local repair is the re-sample of try k = p_0 − branch_at (key mixed with 1 + k)
+    from position branch_at ∈ [d, p_0] of the row it repairs, and equals that re-sample fed
+    from scratch; rows come out the same alone (one group: a data-parallel rank's share) and
+    in a batch, and twice."""
+    model, tok, task, problems, keys = setup
+    T = task.max_new_tokens
+    ro = generate_repair(model, tok, problems, G, T, 1.0, keys, task, mode="local",
+                         branch_token=branch_token)
+    own, plan = _sampled_plan(ro)
+    d_of = {int(own[i]): d for i, _, d in plan}
+    rep = (ro.repair_of >= 0).nonzero().squeeze(-1).tolist()
+    assert rep and len(plan) == ro.repairs_tried
+    for r in rep:
+        i, t = int(ro.repair_of[r]), int(ro.branch_at[r])
+        p0 = int(local_positions(ro.response_ids[i:i + 1], ro.response_mask[i:i + 1],
+                                 torch.tensor([d_of[i]]), stop_ids(model, tok))[0])
+        k = p0 - t
+        assert d_of[i] <= t <= p0 and 0 <= k < 4
+        src = int(ro.group[i]) * G + (i - int((ro.group == ro.group[i]).nonzero()[0]))
+        _recompute(model, tok, ro, r, i, t, mix_keys(keys[src].view(1), 1 + k)[0], T,
+                   branch_token == "alternative")
+    again = generate_repair(model, tok, problems, G, T, 1.0, keys, task, mode="local",
+                            branch_token=branch_token)
+    assert again.texts == ro.texts and torch.equal(again.old_logps, ro.old_logps)
+    assert torch.equal(again.branch_at, ro.branch_at) and again.discarded_tokens == ro.discarded_tokens
+    g = 1
+    alone = generate_repair(model, tok, problems[g:g + 1], G, T, 1.0, keys[g * G:(g + 1) * G],
+                            task, mode="local", branch_token=branch_token)
+    rows = (ro.group == g).nonzero().squeeze(-1)
+    assert alone.texts == [ro.texts[j] for j in rows.tolist()]
+    assert torch.equal(alone.branch_at, ro.branch_at[rows])
+    assert torch.equal(alone.repair_of, torch.where(ro.repair_of[rows] >= 0,
+                                                    ro.repair_of[rows] - int(rows[0]), -1))
 
 
 def test_trie_points_and_layout_sums():
@@ -285,7 +345,7 @@ def test_two_ranks_equal_one_process(tmp_path, layout, ranks):
     (["--branches", "0"], "--branches: 0 is invalid; must be ≥ 1"),
     (["--branch-at", "middle"], "--branch-at: unknown 'middle'; valid: entropy, uniform"),
     (["--branch-token", "best"], "--branch-token: unknown 'best'; valid: sample, alternative"),
-    (["--repair", "rewrite"], "--repair: unknown 'rewrite'; valid: resample, splice"),
+    (["--repair", "rewrite"], "--repair: unknown 'rewrite'; valid: resample, splice, local"),
     (["--repair-tries", "0"], "--repair-tries: 0 is invalid; must be ≥ 1"),
     (["--rollout", "repair", "--split-groups", "--minibatches", "2"],
      "--rollout repair: a repair trains next to the row it corrects"),

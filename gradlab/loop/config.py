@@ -40,8 +40,8 @@ class RunConfig:
     branches: int = 2  # tree: children per path (branch points per path)
     branch_at: str = "entropy"  # tree: where children branch (entropy-weighted or uniform)
     branch_token: str = "sample"  # tree and repair: the branch token sampled or an alternative
-    repair: str = "resample"  # repair: re-sample from the departure, or splice the reference
-    repair_tries: int = 4  # repair resample: tries per incorrect response
+    repair: str = "resample"  # repair: re-sample from the departure, splice the reference, or local
+    repair_tries: int = 4  # repair resample/local: tries per incorrect response
     minibatches: int = 4
     split_groups: bool = False
     micro_batch: int | None = None

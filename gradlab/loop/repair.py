@@ -3,13 +3,25 @@ response whose group holds a correct one (MATH.md §6b).
 
 For an incorrect row i the reference is the correct row of its group that agrees with it
 longest from the start (ties: the lower row); the departure d is the first response position
-where the two token sequences differ (`first_departure`). The repair keeps i's tokens before d:
+where the two token sequences differ (`first_departure`). The repair keeps i's tokens before
+the position it starts from (d, except for "local"):
 - "resample": the policy re-samples the continuation from d (reusing i's KV cache, as a tree
   branch does), up to `tries` times; the first correct try is kept, a repair whose tries all
   fail adds no row. With branch_token "alternative" the token at d may not be i's own.
 - "splice": the reference's tokens from d on. Since i and the reference agree before d, the
   repair equals the reference as a token sequence; it costs no sampling. Its old log-probs are
   teacher-forced (`token_logps` on the spliced row).
+- "local": repair i as late as possible. Try k (k = 0..tries−1) re-samples the continuation
+  from position p_k = max(e − 1, d) − k of i, where e is the position of i's stop token (its
+  length if it has none): the last token before the stop first, then one position earlier per
+  try, never before d; the first correct try is kept (KV cache reused as in "resample"). This is
+  our reading of "local repair works better than rewriting" (MATH.md §6): edit the fewest final
+  tokens that fix the response. Why late positions: any p > d lies in i's own branch (no correct
+  row shares i's first p + 1 tokens, since the reference is the longest-agreeing one), so a
+  correct try that leaves i at q ≥ p makes the trie node i[:q] informative (children: i,
+  incorrect; the repair, correct), a node no sampled row made informative; at p = d the
+  reference already parts from i. And a try generates only L − p tokens. A response wrong early
+  on (its error before the last `tries` positions) is not fixed by a local repair.
 Each repair joins its group with `repair_of` = the row of i in the returned Rollout (rows are
 group-major: a group's G sampled rows, then its repairs in the order of the rows they repair).
 """
@@ -21,7 +33,7 @@ import torch
 from .logprobs import token_logps
 from .tree import Paths, assemble, branch, mix_keys, sample_roots
 
-REPAIR_MODES = ("resample", "splice")
+REPAIR_MODES = ("resample", "splice", "local")
 
 
 def first_departure(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -74,8 +86,9 @@ def generate_repair(model, tokenizer, problems: list, G: int, max_new_tokens: in
                     max_prompt_len: int | None = None):
     """G independent responses per problem (keyed like `rollout.generate`, the same rows) plus
     the repairs of the module docstring. Returns a Rollout with `repair_of`, `parent` and
-    `branch_at` (= the repaired row and its departure for repairs, −1 elsewhere), `generated`
-    (a resampled repair: its tokens from d; a splice: 0), `repairs_tried` (candidates) and
+    `branch_at` (= the repaired row and the position its repair re-samples or splices from: d,
+    or a local repair's p_k; −1 elsewhere), `generated` (a sampled repair: its tokens from
+    branch_at; a splice: 0), `repairs_tried` (candidates) and
     `discarded_tokens` (tokens sampled by failed tries)."""
     from .rollout import _autocast, _encode_prompts, check_prompt_lengths, score, stop_ids
 
@@ -103,27 +116,49 @@ def generate_repair(model, tokenizer, problems: list, G: int, max_new_tokens: in
             plan = repair_plan(base.tokens, base.mask, correct, group)
             args = (model, tokenizer, task, base, plan, pids, pmask, rows, keys, max_new_tokens,
                     temperature, stops, n_vocab)
-            parts, kept, discarded = (_resample(*args, tries, branch_token == "alternative")
-                                      if mode == "resample" else _splice(*args))
+            alt = branch_token == "alternative"
+            if mode == "splice":
+                parts, kept, discarded = _splice(*args)
+            else:
+                parts, kept, discarded = _resample(*args, tries, alt, mode == "local")
     finally:
         model.train(was_training)
-    return _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, plan,
+    return _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, len(plan),
                            temperature, task, score, discarded)
 
 
+def local_positions(tokens: torch.Tensor, mask: torch.Tensor, d: torch.Tensor,
+                    stops: list[int]) -> torch.Tensor:
+    """(M,) long: the first position a local repair tries, max(e − 1, d), where e is the
+    position of each row's stop token (its length if it has none); try k starts at this − k
+    while that is ≥ d. tokens/mask (M, T); d (M,): departures."""
+    L = mask.sum(-1)
+    last = tokens.gather(1, (L - 1).clamp(min=0)[:, None]).squeeze(-1)
+    stopped = (L > 0) & torch.isin(last, torch.tensor(stops, device=tokens.device))
+    return torch.maximum(torch.where(stopped, L - 1, L) - 1, d)
+
+
 def _resample(model, tokenizer, task, base: Paths, plan, pids, pmask, rows, keys, T,
-              temperature, stops, n_vocab, tries: int, alternative: bool):
-    """Up to `tries` re-samples of each planned repair; the first correct one is kept.
-    Returns (parts, kept {row i: (part, row in part)}, tokens sampled by failed tries)."""
+              temperature, stops, n_vocab, tries: int, alternative: bool, local: bool = False):
+    """Up to `tries` re-samples of each planned repair, from its departure d, or (`local`)
+    from the positions of `local_positions` walking back to d; the first correct one is kept.
+    Returns (parts, kept {row i: (part, row in part, position)}, tokens sampled by failed tries)."""
     from .rollout import _decode
 
     parts, kept, discarded = [base], {}, 0
     todo = [(i, d) for i, _, d in plan]
+    top = {}
+    if local and todo:
+        i_t = torch.tensor([i for i, _ in todo], device=pids.device)
+        d_t = torch.tensor([d for _, d in todo], device=pids.device)
+        top = dict(zip(i_t.tolist(), local_positions(base.tokens[i_t], base.mask[i_t], d_t,
+                                                     stops).tolist()))
     for k in range(tries):
+        todo = [(i, d) for i, d in todo if not local or top[i] - k >= d]  # positions left
         if not todo:
             break
         idx = torch.tensor([i for i, _ in todo], device=pids.device)
-        at = torch.tensor([d for _, d in todo], device=pids.device)
+        at = torch.tensor([top[i] - k if local else d for i, d in todo], device=pids.device)
         plen = pmask[idx].sum(-1)
         child = branch(model, base, idx, at, mix_keys(keys[idx], 1 + k), pids[idx, -1], plen,
                        alternative, T, temperature, stops, n_vocab)
@@ -132,9 +167,9 @@ def _resample(model, tokenizer, task, base: Paths, plan, pids, pmask, rows, keys
         left = []
         for r, ((i, d), text) in enumerate(zip(todo, texts)):
             if task.is_correct(rows[i], text):
-                kept[i] = (len(parts) - 1, r)
+                kept[i] = (len(parts) - 1, r, int(at[r]))
             else:
-                discarded += int(child.lengths[r]) - d
+                discarded += int(child.lengths[r] - at[r])
                 left.append((i, d))
         todo = left
     return parts, kept, discarded
@@ -155,29 +190,28 @@ def _splice(model, tokenizer, task, base: Paths, plan, pids, pmask, rows, keys, 
     logps = token_logps(model, pids[i], pmask[i], tokens, mask, temperature)
     zero = torch.zeros_like(logps)
     part = Paths(tokens, logps, zero, mask, d, None, head[:, :0], head[:, :0].long())
-    return [base, part], {int(r): (1, k) for k, r in enumerate(i.tolist())}, 0
+    return [base, part], {int(r): (1, k, int(d[k])) for k, r in enumerate(i.tolist())}, 0
 
 
-def _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, plan,
+def _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, tried: int,
                     temperature, task, score, discarded):
     """Group-major rows: each group's sampled rows, then its repairs (module docstring)."""
     dev = pids.device
     G = int((group == 0).sum())
     pick, src, repair_of, branch_at = [], [], [], []
-    d_of = {i: d for i, _, d in plan}
     for g in range(int(group.max()) + 1 if group.numel() else 0):
         first = len(pick)
         for r in range(g * G, (g + 1) * G):
             pick.append((0, r)), src.append(r), repair_of.append(-1), branch_at.append(-1)
         for i in sorted(k for k in kept if int(group[k]) == g):
-            pick.append(kept[i]), src.append(i), repair_of.append(first + i - g * G)
-            branch_at.append(d_of[i])
+            pick.append(kept[i][:2]), src.append(i), repair_of.append(first + i - g * G)
+            branch_at.append(kept[i][2])
     src_t = torch.tensor(src, device=dev)
     rep = torch.tensor(repair_of, device=dev)
     at = torch.tensor(branch_at, device=dev)
     ro = assemble(tokenizer, stops, pids[src_t], pmask[src_t], [rows[i] for i in src],
                   group[src_t], parts, pick, temperature, repair_of=rep, parent=rep,
-                  branch_at=at, repairs_tried=len(plan), discarded_tokens=discarded)
+                  branch_at=at, repairs_tried=tried, discarded_tokens=discarded)
     spliced = rep >= 0
     if len(parts) > 1 and parts[1].cache is None:  # splice: nothing was sampled
         ro.generated = torch.where(spliced, 0, ro.lengths)
