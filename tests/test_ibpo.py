@@ -329,3 +329,34 @@ def test_bench_nodes_quick_runs():
     out = subprocess.run([sys.executable, str(root / "analyses" / "bench_nodes.py"), "--quick",
                           "--repeats", "1"], capture_output=True, text=True, check=True).stdout
     assert "IBPO trie advantages" in out and "| 4 × 4 × 64 |" in out
+
+
+def _brute_force(tokens, mask, group, R, form):
+    """Per-token advantages from a Python dict of prefixes: an independent computation."""
+    rows = range(tokens.shape[0])
+    seq = [tuple(tokens[i][mask[i]].tolist()) for i in rows]
+    vals: dict = {}
+    for i in rows:
+        for t in range(-1, len(seq[i])):
+            vals.setdefault((int(group[i]), seq[i][: t + 1]), []).append(float(R[i]))
+    V = {k: sum(v) / len(v) for k, v in vals.items()}
+    out = torch.zeros(tokens.shape, dtype=torch.float64)
+    for i in rows:
+        g, root = int(group[i]), V[(int(group[i]), ())]
+        for t in range(len(seq[i])):
+            c, p = V[(g, seq[i][: t + 1])], V[(g, seq[i][:t])]
+            out[i, t] = {"ga": c - root, "la": c - p, "ga+la": 2 * c - root - p,
+                         "togo": float(R[i]) - p}[form]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_trie_advantages_against_brute_force_with_unequal_groups(seed):
+    b = _trie_batch(seed, G=6)
+    keep = torch.ones(b.B, dtype=torch.bool)
+    keep[torch.randperm(b.B, generator=torch.Generator().manual_seed(seed))[:5]] = False
+    tokens, mask, group, R = b.tokens[keep], b.mask[keep], b.group[keep], b.rewards[keep]
+    assert len(set(torch.bincount(group).tolist())) > 1  # groups of different sizes
+    for form in ("ga", "la", "ga+la", "togo"):
+        A = gradlab.process_advantages(tokens, mask, group, R, form)
+        assert torch.allclose(A, _brute_force(tokens, mask, group, R, form), atol=1e-12), form

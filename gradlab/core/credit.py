@@ -75,7 +75,9 @@ def trie_values(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor) ->
     live = pg.count > 0
     row_v = cum[..., 1:] / cnt[..., 1:].clamp(min=1)  # (n, G, T) V of (i, t) seen from row i
     v_node = torch.where(live, row_v.gather(1, pg.first), 0)  # read from the node's first member
-    v_root = (cum[:, 0, 0] / cnt[:, 0, 0].clamp(min=1)).view(n, 1, 1)  # rank 0: the whole group
+    # the root: the group's reward sum (rank 0's slot 0 holds every row; empty grid slots have
+    # reward 0) over the group's size (the grid's empty slots are not rows)
+    v_root = (cum[:, 0, 0] / pg.sizes.to(cum.dtype)).view(n, 1, 1)
     v_parent = torch.cat([v_root.expand(n, G, 1), v_node[..., :-1]], -1)
     size_root = pg.sizes.view(n, 1, 1).expand(n, G, 1)
     p_size = torch.cat([size_root, pg.count[..., :-1]], -1)
