@@ -151,21 +151,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny runs (seconds), for tests")
     p.add_argument("--tasks", default="arithmetic,scaffold")
-    p.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3; quick 1)")
+    p.add_argument("--seeds", help="seeds 0..n-1: a number, or per task 'arithmetic=3,scaffold=2' "
+                   "(default 3; quick 1)")
     p.add_argument("--steps", type=int, help="independent layout's rollout steps (default per task)")
     p.add_argument("--objectives", help=f"comma-separated (default {','.join(OBJECTIVES)})")
     p.add_argument("--runs", help="default runs/tree_tandem (quick: runs/tree_tandem-quick)")
     p.add_argument("--out", help="folder for tree_tandem.* (default figures/; quick: the runs folder)")
     a = p.parse_args(argv)
     set_threads(1)
-    seeds = range(a.seeds or (1 if a.quick else 3))
+    per_task = dict(x.split("=") for x in a.seeds.split(",")) if a.seeds and "=" in a.seeds else {}
+    default = int(a.seeds) if a.seeds and not per_task else (1 if a.quick else 3)
     runs = Path(a.runs or ROOT / ("runs/tree_tandem-quick" if a.quick else "runs/tree_tandem"))
     out = Path(a.out or (runs if a.quick else FIGURES))
     objs = a.objectives.split(",") if a.objectives else OBJECTIVES
     t0, prov, walls, plan = time.time(), provenance("tree_tandem.py", argv), [], {}
+    n_seeds = {}
     for task in a.tasks.split(","):
+        seeds = range(int(per_task.get(task, default)))
         steps = layout_steps(task, a.steps or (2 if a.quick else STEPS[task]))
-        plan[task] = steps
+        plan[task], n_seeds[task] = steps, len(seeds)
         for k in seeds:  # seed-major: a run cut short still has every layout of its first seeds
             for layout, opts in LAYOUTS.items():
                 size = dict(QUICK, G=8, prompts=2) if a.quick else dict(
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     t = table(wide)
     md = ["# Objectives × rollout layouts at matched generated tokens", "",
           f"`{prov['command']}` at {prov['commit'][:10]}, {prov['threads']} thread(s), "
-          f"{len(seeds)} seeds, {seconds:.0f} s. Rollout steps per layout (independent × "
+          f"seeds per task {n_seeds}, {seconds:.0f} s. Rollout steps per layout (independent × "
           f"generated-token ratio): {plan}. Held-out accuracy of the final policy "
           "(eval_accuracy); differences in points, paired by seed [95 % paired bootstrap].", "",
           t.to_markdown(index=False), ""]
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "tree_tandem.md").write_text("\n".join(md) + "\n")
     cols = ["task", "layout", "seed", "objective"]
     wide.melt(id_vars=cols, var_name="metric").to_csv(out / "tree_tandem.csv", index=False)
-    write_meta(out / "tree_tandem.json", prov, seeds=len(seeds), steps=plan, seconds=round(seconds),
+    write_meta(out / "tree_tandem.json", prov, seeds=n_seeds, steps=plan, seconds=round(seconds),
                layouts=LAYOUTS, runs=str(runs))
     figure(wide, out / "tree_tandem.png")
     print("\n".join(md))

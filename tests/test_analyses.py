@@ -247,3 +247,17 @@ def test_rollout_layouts_quick(tmp_path):
         assert tree["generated_tokens"] < tree["trained_tokens"]  # prefixes reused
         assert tree["duplicates_per_group"] == 0  # 7 alternatives at distinct positions
     assert "Min-Replace vs Orth-Proj" in (tmp_path / "rl.md").read_text()
+
+
+def test_tree_tandem_quick(tmp_path):
+    from analyses import tree_tandem
+
+    out = tmp_path / "tt"
+    assert tree_tandem.main(["--quick", "--tasks", "arithmetic", "--objectives", "gspo,ibpo",
+                             "--runs", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    df = pd.read_csv(out / "tree_tandem.csv")
+    assert set(df["layout"]) == {"independent", "tree", "repair"}
+    assert set(df["objective"]) == {"gspo", "ibpo", "ibpo[form=repair]"}
+    acc = df[df["metric"] == "heldout_acc"]["value"]
+    assert len(acc) == 7 and acc.between(0, 1).all()
+    assert (out / "tree_tandem.png").read_bytes()[:4] == b"\x89PNG"
