@@ -91,8 +91,8 @@ def per_run(tidy: pd.DataFrame, task: str, layout: str) -> pd.DataFrame:
 
 
 def _paired(wide: pd.DataFrame, a: dict, b: dict) -> str:
-    x = wide.loc[(wide[list(a)] == pd.Series(a)).all(1)].set_index("seed")["heldout_acc"]
-    y = wide.loc[(wide[list(b)] == pd.Series(b)).all(1)].set_index("seed")["heldout_acc"]
+    x = wide.loc[(wide[list(a)] == pd.Series(a)).all(axis=1)].set_index("seed")["heldout_acc"]
+    y = wide.loc[(wide[list(b)] == pd.Series(b)).all(axis=1)].set_index("seed")["heldout_acc"]
     seeds = x.index.intersection(y.index)
     if len(seeds) == 0 or a == b:
         return "—"
