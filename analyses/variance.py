@@ -10,6 +10,8 @@ paired 95 % bootstrap intervals, which objectives coincide, and the command).
     OMP_NUM_THREADS=1 python analyses/variance.py           # K = 48, R = 240 (~6 min CPU)
     python analyses/variance.py --redraw                      # figure and table from the CSV
     python analyses/variance.py --quick --out /tmp/v.png      # seconds, for tests
+    python analyses/variance.py --rollout tree --objectives grpo,gspo,dfpo-min,ibpo \
+        --K 24 --reference-batches 96 --out figures/variance_tree.png   # another layout
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from gradlab.viz.curves import save
 from gradlab.viz.variance import summary_table, variance_figure
 
 TASKS = ("arithmetic", "scaffold")
+LAYOUT_WORDS = {"independent": "independent samples",
+                "tree": "a star of G − 1 alternative branches off one root per group",
+                "repair": "the independent rows plus resampled repairs of the incorrect ones; "
+                          "generated tokens per batch in the CSV"}
 SAME = 1e-5  # max relative gradient difference below which two objectives coincide (float32)
 
 
@@ -60,8 +66,9 @@ def report(tidy: pd.DataFrame, K: int, R: int, prov: dict) -> str:
     s = summary_table(tidy)
     lines = [f"# Gradient noise at a fixed policy (K = {K} batches, reference R = {R} batches)",
              "", f"`{prov['command']}` (commit {prov['commit'][:10]}, {prov['threads']} thread(s))",
-             "", "Each batch: the same 8 prompts × G = 8 independent responses (`--rollout "
-             "independent`), shipped warm start, on-policy. noise = tr Cov(g) / ⟨ḡ, g_ref⟩ per "
+             "", f"Each batch: the same {prov.get('prompts', 8)} prompts × G = {prov.get('G', 8)} "
+             f"responses in the `{prov.get('rollout', 'independent')}` layout "
+             f"({LAYOUT_WORDS[prov.get('rollout', 'independent')]}), shipped warm start, on-policy. noise = tr Cov(g) / ⟨ḡ, g_ref⟩ per "
              "batch; ratios and 95 % intervals from one paired bootstrap over the K batches (the "
              "reference's own noise is not in them; 'ref. only' is the noise estimated from the R "
              "reference batches alone, a cross-check). corr: Pearson over response tokens of R_i "
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(FIGURES / "variance.png"))
     p.add_argument("--redraw", action="store_true", help="redraw the figure and table from the "
                    "CSV and JSON an earlier run wrote next to --out (no sampling)")
+    p.add_argument("--rollout", default="independent", choices=("independent", "tree", "repair"))
+    p.add_argument("--objectives", help="comma-separated (default: every objective of the study)")
     a = p.parse_args(argv)
     out = Path(a.out)
     if a.redraw:
@@ -101,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance("variance.py", argv)  # the code that measures, not what HEAD is at the end
     K, R = (2, 2) if a.quick else (a.K, a.reference_batches)
     size = dict(prompts=2, G=4) if a.quick else dict(prompts=8, G=8)
-    names = ["grpo", "gspo", "ibpo[form=ga]"] if a.quick else list(DEFAULT_OBJECTIVES)
-    tidy = pd.concat([measure_variance(names, task=t, K=K, reference_batches=R,
-                                       seed=0, threads=1, progress=not a.quick, **size)
+    names = (a.objectives.split(",") if a.objectives else
+             ["grpo", "gspo", "ibpo[form=ga]"] if a.quick else list(DEFAULT_OBJECTIVES))
+    tidy = pd.concat([measure_variance(names, task=t, K=K, reference_batches=R, seed=0,
+                                       threads=1, progress=not a.quick, rollout=a.rollout, **size)
                       for t in TASKS], ignore_index=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"K": K, "reference_batches": R, **size, **prov}
+    meta = {"K": K, "reference_batches": R, "rollout": a.rollout, **size, **prov}
     tidy.to_csv(out.with_suffix(".csv"), index=False)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     write(tidy, out, meta)
