@@ -15,8 +15,13 @@ import gradlab
 from gradlab.loop.layouts import _trie_points, batch_repair_of, layout_sums
 from gradlab.loop.logprobs import positions, token_logps
 from gradlab.loop.policy import load_policy
-from gradlab.loop.repair import (edited_span, first_departure, generate_repair, local_positions,
-                                 repair_plan)
+from gradlab.loop.repair import (
+    edited_span,
+    first_departure,
+    generate_repair,
+    local_positions,
+    repair_plan,
+)
 from gradlab.loop.rollout import Rollout, generate, stop_ids
 from gradlab.loop.step import micro_batches
 from gradlab.loop.task import ArithmeticTask

@@ -91,7 +91,7 @@ def test_recipe_tidy_finite_deterministic(tiny):
     per = df[df["batch"].notna()]
     assert set(per["batch"]) == {0, 1}
     assert set(per["metric"]) == {"grad_norm", "adv_nonzero_frac", "reward_comparison_corr",
-                                  "reward", "cos_ref"}
+                                  "reward", "cos_ref", "generated_tokens"}
     s = summary_table(df).set_index("objective")
     for m in ("grad_noise", "cos_ref_mean", "grad_norm_mean", "trace_cov", "signal",
               "adv_nonzero_frac_mean"):
@@ -159,8 +159,8 @@ def test_recipe_reads_a_run_checkpoint(tmp_path, tiny):
 def test_bad_options():
     with pytest.raises(ConfigError, match="unknown objective 'nope'"):
         measure_variance(["nope"], **TINY)
-    with pytest.raises(ConfigError, match="--rollout: unknown 'tree'"):
-        measure_variance(["grpo"], rollout="tree", **TINY)
+    with pytest.raises(ConfigError, match="--rollout: unknown 'forest'"):
+        measure_variance(["grpo"], rollout="forest", **TINY)
 
 
 def test_figure(tiny):

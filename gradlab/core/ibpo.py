@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .batch import ADVANTAGE_SCALES, TokenBatch
 from .credit import FORMS, REWEIGHTS, process_advantages, repair_advantages, reward_scale
-from .objectives import GRPO, NORMS, GSPOToken, Objective
+from .losses import GRPO, NORMS, GSPOToken, Objective
 
 
 class IBPO(Objective):

@@ -6,12 +6,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .errors import ConfigError
+
 DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth")
 MODES = ("tandem", "same-batch")
-
-
-class ConfigError(ValueError):
-    """A bad option: the message names it and its valid values."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ clip_frac and ratio_mean are token means over the rollout step's response tokens
 full-group nodes (a residual-weighted mean: on-policy steps whose residual is float noise weigh
 ~0), attr_residual = Σ res. One exception, by definition: the "length" counterfactual of
 attr_length sets T_i to the mean length of the rows the objective sees — under DDP a rank's own
-rows — so attr_length is per rank there (`gradlab.core.objectives._lengths`).
+rows — so attr_length is per rank there (`gradlab.core.losses._lengths`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import ConfigError
 
 MAX_TASK_BYTES = 256 * 2**20
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")

@@ -1,0 +1,140 @@
+"""The pure parts of the TRL integration: a window of loss calls, group reconstruction from
+TRL's inputs, the group-preserving shuffle and the per-window metrics (all tensor functions, no
+trainer; gradlab.integrations.trl wires them into GRPOTrainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..core.batch import TokenBatch, group_index
+from ..core.cancellation import cancellation
+from ..core.nodes import SharedNodes, shared_nodes
+
+ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
+
+
+@dataclass
+class Window:
+    """One pass over a generation batch, rows in the generation batch's (unshuffled) order.
+
+    batch: TokenBatch (B, T) — completion tokens and mask, logps = each row's log-probs in its
+        loss call (detached), old_logps = TRL's old log-probs (= logps when TRL had none, i.e.
+        on-policy), advantages (B,), group (B,) reconstructed.
+    W (B, T): measured modulation, the one the backward used (W̃ under DFPO).
+    W_base (B, T) or None: the base loss's W before the DFPO transform.
+    micro, opt (B,) long: the micro-batch (loss call) and optimizer step of each row.
+    """
+
+    batch: TokenBatch
+    W: Tensor
+    W_base: Tensor | None
+    micro: Tensor
+    opt: Tensor
+    index: int
+    iteration: int
+    metrics: dict = field(default_factory=dict)
+
+
+def reconstruct_groups(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int) -> Tensor:
+    """(B,) long group labels 0..n−1 of a generation batch in RepeatSampler order.
+
+    prompt_ids, prompt_mask (B, P), left-padded. A group is a run of equal prompts, cut every
+    `num_generations` rows (a prompt drawn twice in one batch gives two groups).
+    """
+    ids = torch.where(prompt_mask.bool(), prompt_ids, -1)
+    B = ids.shape[0]
+    new_run = torch.ones(B, dtype=torch.bool, device=ids.device)
+    new_run[1:] = (ids[1:] != ids[:-1]).any(-1)
+    run = torch.cumsum(new_run.long(), 0) - 1
+    starts = new_run.nonzero().squeeze(-1)  # (n_runs,) first row of each run
+    pos = torch.arange(B, device=ids.device) - starts[run]
+    return torch.cumsum((new_run | (pos % num_generations == 0)).long(), 0) - 1
+
+
+def grouped_shuffle(seq_dict: dict) -> dict:
+    """TRL's `shuffle_sequence_dict` at group granularity: groups (by `GROUP_KEY`) in random
+    order (global torch RNG, as TRL), the rows of a group contiguous and in their order."""
+    gid, _ = group_index(seq_dict[GROUP_KEY])
+    n = int(gid.max()) + 1
+    rank = torch.empty(n, dtype=torch.long)
+    rank[torch.randperm(n)] = torch.arange(n)
+    perm = torch.argsort(rank[gid.cpu()], stable=True)
+
+    def permute(v):
+        if v is None or (isinstance(v, Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, Tensor):
+            return v[perm.to(v.device)]
+        return [v[i] for i in perm.tolist()]
+
+    return {k: permute(v) for k, v in seq_dict.items()}
+
+
+def split_share(group: Tensor, step: Tensor) -> float:
+    """Share of groups (group, step: (B,) long) whose rows fall into more than one step."""
+    gid, sizes = group_index(group)
+    big = torch.iinfo(torch.long).max
+    lo = torch.full_like(sizes, big).scatter_reduce(0, gid, step, reduce="amin")
+    hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, step, reduce="amax")
+    return float((hi != lo).float().mean()) if sizes.numel() else 0.0
+
+
+def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, float]:
+    """(Σ|c_{n,k}|, ratio) at full-group nodes with the net coefficient taken per step k.
+
+    W (B, T), step (B,) long. c_{n,k} = Σ of W over the members of node n that sit in step k:
+    what one optimizer step can cancel. Equals the plain residual when no group is split.
+    """
+    sh = sn.node >= 0
+    if not bool(sh.any()):
+        return 0.0, 0.0
+    k = step - step.min()
+    n_k = int(k.max()) + 1
+    key = sn.node[sh] * n_k + k.unsqueeze(-1).expand_as(sn.node)[sh]
+    Wd = W.detach().double()
+    c = torch.zeros(sn.n * n_k, dtype=Wd.dtype).index_add_(0, key, Wd[sh])
+    res, mass = float(c.abs().sum()), float(Wd[sh].abs().sum())
+    return res, (res / mass if mass > 0 else 0.0)
+
+
+def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
+    """Mean Δl = l_used − l_old (nats) at full-group node tokens and at divergent tokens by the
+    sign of A: how far the earlier optimizer steps of the window moved the policy since
+    sampling, free from TRL's own log-probs (KL would need full distributions: not kept)."""
+    dl = (batch.logps - batch.old_logps).double()
+    A = batch.adv_tokens
+    div = batch.mask & (sn.node < 0)
+    out = {}
+    for name, keep in (("node", sn.node >= 0), ("div_pos", div & (A > 0)), ("div_neg", div & (A < 0))):
+        n = int(keep.sum())
+        out[f"drift_{name}_dlogp"] = float(dl[keep].sum()) / n if n else 0.0
+    return out
+
+
+def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
+                   W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
+    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`."""
+    sn_all = shared_nodes(batch, "trie" if trie else "prefix")
+    sn = sn_all.full_group()
+    c = cancellation(W, batch, sn=sn)
+    res_step, rho_step = stepwise_residual(W, sn, opt)
+    out = {"rho_prefix": c.ratio, "rho_prefix_step": rho_step, "residual_prefix": c.residual,
+           "residual_prefix_step": res_step, "mass_prefix": c.mass,
+           "shared_fraction": c.shared_fraction, "nodes_prefix": float(c.n_nodes),
+           "split_groups": split_share(batch.group, opt),
+           "split_groups_micro": split_share(batch.group, micro),
+           "groups": float(torch.unique(batch.group).numel())}
+    if trie:
+        out["rho_trie"] = cancellation(W, batch, sn=sn_all).ratio
+    if W_base is not None:
+        out["rho_prefix_base"] = cancellation(W_base, batch, sn=sn).ratio
+        out["rho_prefix_step_base"] = stepwise_residual(W_base, sn, opt)[1]
+    if not torch.equal(batch.logps, batch.old_logps):  # off-policy rows exist
+        out.update(drift_figures(batch, sn))
+    return out
+
+
+# ----------------------------------------------------------------------------- the trainer
