@@ -7,16 +7,10 @@ this file again in a child python with that folder on PYTHONPATH, where the case
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from verl_child import run_in_verl_env
 
-ROOT = Path(__file__).resolve().parents[1]
-SITE = Path(os.environ.get("GRADLAB_VERL_SITE", ROOT / ".verl-site"))
 try:
     from verl.trainer.ppo import core_algos
 
@@ -30,18 +24,7 @@ needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl not importable here;
 
 def test_verl_cases_in_verl_env():
     """Runs this file's verl cases in a python that sees .verl-site (CI installs it)."""
-    if HAVE_VERL:
-        pytest.skip("verl importable in this process: the cases run here directly")
-    if not (SITE / "verl").is_dir():
-        pytest.skip(f"verl not installed: no {SITE}/verl (the verl block of .ci/run makes it)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]),
-           "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-W", "ignore::UserWarning", str(Path(__file__))], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "failed" not in last and "error" not in last, r.stdout[-2000:]
+    run_in_verl_env(__file__, HAVE_VERL)
 
 
 # ----------------------------------------------------------------------------- helpers
