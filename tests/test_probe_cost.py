@@ -1,6 +1,6 @@
 """The per-token entropy every loop step logs is a reading: with entropy_grad=False it carries no
 graph, so the chunked LM head's checkpoint recompute in backward stops before the V-wide softmax
-(issue 15, cheap-tier overhead at V = 151,936). Values and gradients are unchanged, bit for bit."""
+(the cheap tier's overhead at V = 151,936). Values and gradients are unchanged, bit for bit."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
