@@ -360,3 +360,17 @@ def test_trie_advantages_against_brute_force_with_unequal_groups(seed):
     for form in ("ga", "la", "ga+la", "togo"):
         A = gradlab.process_advantages(tokens, mask, group, R, form)
         assert torch.allclose(A, _brute_force(tokens, mask, group, R, form), atol=1e-12), form
+
+
+def test_prepare_caches_the_token_advantages_and_follows_every_input():
+    b = _trie_batch(seed=4)
+    ib = objectives.get("ibpo[form=togo]")
+    A1 = ib.prepare(b).advantages
+    assert ib.prepare(b.replace(logps=b.logps * 1.1)).advantages is A1  # logps: cached
+    r2 = b.rewards.flip(0)
+    A2 = ib.prepare(b.replace(rewards=r2)).advantages
+    assert torch.equal(A2, objectives.get("ibpo[form=togo]").token_advantages(b.replace(rewards=r2)))
+    b.rewards.mul_(2.0)  # in place: the version counter moves, the cache follows
+    assert torch.equal(ib.prepare(b).advantages, objectives.get("ibpo[form=togo]").token_advantages(b))
+    ib.form = "la"
+    assert torch.equal(ib.prepare(b).advantages, objectives.get("ibpo[form=la]").token_advantages(b))

@@ -50,6 +50,7 @@ class IBPO(Objective):
         kw = {} if eps is None else {"eps": eps}
         self.base = GRPO(norm=norm, max_len=max_len, **kw) if base == "grpo" else GSPOToken(**kw)
         self.form, self.reweight, self.lam, self.scale = form, reweight, float(lam), scale
+        self._cache = None  # (key, the tensors it was made from, A (B, T))
 
     def token_advantages(self, batch: TokenBatch) -> Tensor:
         """(B, T) A_{i,t}: the form's raw advantages ÷ the reward scale, 0 where masked."""
@@ -68,7 +69,15 @@ class IBPO(Objective):
         return A / div.unsqueeze(-1)
 
     def prepare(self, batch: TokenBatch) -> TokenBatch:
-        return batch.replace(advantages=self.token_advantages(batch), validate=False)
+        # One-entry cache: a step calls prepare for the loss, W, the residuals and the stats on
+        # batches that differ only in logps; A depends on tokens, mask, group, rewards, repair_of.
+        parts = (batch.tokens, batch.mask, batch.group, batch.rewards, batch.repair_of)
+        key = tuple((id(x), x._version) if x is not None else None for x in parts) + (
+            self.form, self.reweight, self.lam, self.scale)
+        if self._cache is None or self._cache[0] != key or not all(
+                a is b for a, b in zip(self._cache[1], parts)):
+            self._cache = (key, parts, self.token_advantages(batch))
+        return batch.replace(advantages=self._cache[2], validate=False)
 
     def norm(self, batch: TokenBatch, off: tuple = ()) -> Tensor:
         return self.base.norm(batch, off)
