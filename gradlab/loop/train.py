@@ -172,7 +172,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
         plain = list(L.model.parameters())
-        L.model = D.wrap(L.model)
+        L.model = D.wrap(L.model, cfg.amp)
         if D.fsdp:  # sharding replaced the parameters: a new optimizer, same state (resume)
             L.opt = rebuild_optimizer(L.model, L.opt, plain)
         L.tracer = tracer
