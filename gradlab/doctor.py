@@ -259,8 +259,10 @@ def report(checks: list[Check], facts: dict) -> str:
     for c in checks:  # a "|" inside a cell would end it
         detail = c.detail.replace("|", "\\|")
         lines.append(f"| {c.name} | {'ok' if c.ok else 'FAIL'} | {detail} | {c.seconds:.2f} |")
-    lines += ["", f"Setup (tiny policy and rollout): {facts['setup_s']:.2f} s; {memory}: "
-              f"{facts['peak_mib']:.0f} MiB.", ""]
+    if "peak_mib" in facts:  # absent when no check could run
+        lines += ["", f"Setup (tiny policy and rollout): {facts['setup_s']:.2f} s; {memory}: "
+                  f"{facts['peak_mib']:.0f} MiB."]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -281,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     device = pick_device(a.device)
     if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"gradlab doctor: FAIL — device {device}: torch sees no CUDA GPU", file=sys.stderr)
-        return 1
-    checks, facts = run_checks(device, a.loop)
+        checks = [Check("device", False, f"{device}: torch {torch.__version__} sees no CUDA GPU")]
+        facts = {"device": f"{device}: not available"}
+    else:
+        checks, facts = run_checks(device, a.loop)
     Path(a.out).write_text(report(checks, facts))
     failed = [c for c in checks if not c.ok]
     for c in failed:
