@@ -24,7 +24,7 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,7 +84,6 @@ class Case:
     model: torch.nn.Module
     ro: object  # gradlab.loop.rollout.Rollout, on the model's device
     adv: torch.Tensor  # (N,) group-relative advantages
-    extra: dict = field(default_factory=dict)
 
 
 def tiny_case(device: str = "cpu", prompts: int = 4, G: int = 4, seed: int = 0,
@@ -153,12 +152,11 @@ def check_exact(case: Case, amp: bool) -> tuple[Check, dict[str, Reading]]:
 
 def check_amp(ref: dict[str, Reading], amp: dict[str, Reading], mask: torch.Tensor) -> Check:
     """The autocast readings within the AMP_* bounds of the float32 ones."""
-    bad, worst = [], {}
-    for n in ref:
-        gap = amp_gap(ref[n].logps, amp[n].logps, ref[n].W, amp[n].W, ref[n].grad, amp[n].grad,
-                      mask)
-        bad += [f"{n}: {b}" for b in amp_failures(gap)]
-        worst = {k: (max if k != "grad_cos" else min)(worst.get(k, v), v) for k, v in gap.items()}
+    gaps = {n: amp_gap(ref[n].logps, amp[n].logps, ref[n].W, amp[n].W, ref[n].grad,
+                       amp[n].grad, mask) for n in ref}
+    bad = [f"{n}: {b}" for n, gap in gaps.items() for b in amp_failures(gap)]
+    worst = {k: max(g[k] for g in gaps.values()) for k in ("logp_max", "logp_mean", "w_l1")}
+    worst["grad_cos"] = min(g["grad_cos"] for g in gaps.values())
     detail = (f"log-prob gap max {worst['logp_max']:.3f} / mean {worst['logp_mean']:.4f} nats "
               f"(bounds {AMP_LOGP_ATOL}, {AMP_LOGP_MEAN}); W L1 gap {worst['w_l1']:.3f} "
               f"(bound {AMP_W_L1}); gradient cosine {worst['grad_cos']:.4f} (≥ {AMP_GRAD_COS})")
