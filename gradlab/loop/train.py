@@ -30,12 +30,13 @@ from .layouts import sample_layout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
+from .precision import amp_context
 from .preempt import Preempted, StopSignals
 from .probeset import probe_metrics, probe_set
 from .realmodel import format_problems, prepare_run
 from .resume import resolve_resume, restore
 from .rollout import Rollout
-from .step import amp_context, minibatches, optimizer_step
+from .step import minibatches, optimizer_step
 from .store import RunStore
 from .task import BUILTIN_TASKS, check_encodable, get_task
 from .traces import TraceWriter
