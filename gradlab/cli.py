@@ -1,4 +1,4 @@
-"""The `gradlab` command: run, tandem, reproduce, table, view, variance, check, audit.
+"""The `gradlab` command: run, tandem, reproduce, table, view, variance, check, audit, doctor.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
 Bad options get a one-line error naming the option and its valid values. Exit codes: 0 ok,
@@ -31,6 +31,8 @@ HELP = {
                    "gradient accumulation, same update; default: the whole step)",
     "fsdp": "shard the policy with FSDP2 under torchrun (≥ 2 ranks; sampling and probes "
             "gather the full weights, see docs/guides/real-models.md)",
+    "amp": "bf16 autocast for every forward on any device (CPU included); float32 master "
+           "weights, AdamW state, log-probs and checkpoints; FSDP2 gathers bf16, reduces fp32",
     "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
     "eval_every": "held-out evaluation (greedy and sampled at --temperature; keys eval_accuracy, "
                   "eval_accuracy_greedy) every k rollout steps and at the end (0 = off)",
@@ -232,7 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     aud = sub.add_parser("audit", help="audit a trainer's loss settings (gradlab audit trl | verl)",
                          add_help=False)
     aud.set_defaults(fn=lambda a: _delegate(DELEGATED["audit"], a.rest))
-    for sp in (chk, aud):
+    doc = sub.add_parser("doctor", help="check that gradlab works on this machine (device, bf16, "
+                         "W exactness, a training step); writes a Markdown report", add_help=False)
+    doc.set_defaults(fn=lambda a: _delegate(DELEGATED["doctor"], a.rest))
+    for sp in (chk, aud, doc):
         sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
@@ -283,7 +288,8 @@ def _delegate(module: str, argv: list[str]) -> int:
     return importlib.import_module(module).main(argv)
 
 
-DELEGATED = {"check": "gradlab.check", "audit": "gradlab.integrations.trl_audit"}
+DELEGATED = {"check": "gradlab.check", "audit": "gradlab.integrations.trl_audit",
+             "doctor": "gradlab.doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,13 +60,14 @@ class Dist:
         if self.enabled:
             dist.barrier()
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, amp: bool = False) -> torch.nn.Module:
+        """DDP or (fsdp) FSDP2 around `model`; amp: FSDP2's bf16 mixed-precision policy."""
         if not self.enabled:
             return model
         if self.fsdp:
             from .fsdp import shard
 
-            return shard(model)
+            return shard(model, amp)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=None if not next(model.parameters()).is_cuda else [model.device])

@@ -20,6 +20,10 @@ lock-step in two ways:
   frees them. Sampling and probes therefore hold the full parameters (not the optimizer
   state) for their duration, as verl's rollout does.
 
+Under --amp each unit uses `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+(loop/precision.py): forwards all-gather bf16 copies of the float32 shards, gradients are
+reduce-scattered in float32, and the shards, AdamW state and checkpoints stay float32.
+
 The non-finite guard (loop/guard.py) checks each rank's shard and the ranks take the worst
 verdict. Checkpoints are gathered to full tensors (rank 0 writes them) in one process's format:
 the same safetensors keys, AdamW state by parameter index; --resume cuts them back into shards.
@@ -54,15 +58,19 @@ def layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(getattr(body, "layers", None) or [])
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, amp: bool = False) -> torch.nn.Module:
     """fully_shard each decoder layer, then the root (tied embeddings stay one parameter in the
     root unit); in place, returns the model. Every unit reshards after forward, the root too,
-    so between passes a rank holds only its shards."""
+    so between passes a rank holds only its shards. amp: every unit gets
+    `precision.fsdp_policy` (bf16 gathered weights, float32 shards and gradient reduction)."""
     from torch.distributed.fsdp import fully_shard
 
+    from .precision import fsdp_policy
+
+    kw = {"mp_policy": fsdp_policy(True)} if amp else {}
     for layer in layers(model):
-        fully_shard(layer, reshard_after_forward=True)
-    fully_shard(model, reshard_after_forward=True)
+        fully_shard(layer, reshard_after_forward=True, **kw)
+    fully_shard(model, reshard_after_forward=True, **kw)
     return model
 
 

@@ -285,7 +285,7 @@ def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) ->
 def _load_folder(path: Path, device, attn: str = "sdpa", trust_remote_code: bool = False) -> tuple:
     """(model, tokenizer) from a folder. float32 master weights whatever the stored dtype (a
     bf16 folder trained in bf16 loses small AdamW updates to rounding; `--amp` autocasts the
-    forward to bf16 on CUDA instead); SDPA attention unless told (the toy policies use eager)."""
+    forward to bf16 instead, loop/precision.py); SDPA attention unless told (the toy policies use eager)."""
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()

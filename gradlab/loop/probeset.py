@@ -12,6 +12,7 @@ from ..core.batch import TokenBatch
 from ..core.nodes import shared_nodes
 from ..probes import equal_solution_logodds, kl_rows
 from .logprobs import token_logps
+from .precision import amp_context
 from .rollout import generate
 
 
@@ -51,7 +52,8 @@ def probe_set(model, tok, task, cfg) -> dict:
 
 def _context_logprobs(model, probes: dict, cfg) -> Tensor:
     """(K, V) next-token log-probs at the probe contexts."""
-    _, logprobs = token_logps(model, *probes["rows"], cfg.temperature, return_logprobs=True)
+    with amp_context(cfg):
+        _, logprobs = token_logps(model, *probes["rows"], cfg.temperature, return_logprobs=True)
     return logprobs[probes["rep"], probes["pos"]]
 
 
@@ -65,7 +67,8 @@ def probe_metrics(model, probes: dict, cfg) -> dict:
         now = _context_logprobs(model, probes, cfg)
         out["probe_kl"] = float(kl_rows(probes["ref"], now).mean())
     if "forms" in probes:
-        seq = [token_logps(model, *enc, cfg.temperature).sum(-1) for enc in probes["forms"]]
+        with amp_context(cfg):
+            seq = [token_logps(model, *enc, cfg.temperature).sum(-1) for enc in probes["forms"]]
         lo, h = equal_solution_logodds(seq[0], seq[1])
         out.update({"logodds": float(lo.mean()), "logodds_abs": float(lo.abs().mean()),
                     "forms_entropy": float(h.mean())})

@@ -33,6 +33,7 @@ from .dist import Dist, setup, unwrap
 from .logprobs import token_logps
 from .metrics import StepMetrics
 from .policy import load_policy
+from .precision import amp_context
 from .step import minibatches, optimizer_step
 from .task import get_task
 from .train import Learner, make_learners, sample
@@ -50,8 +51,9 @@ def _gradients(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch.Te
     """(batch, nodes, g (loss gradient, unclipped), g_tax, tax_share) at the current θ."""
     raw = unwrap(L.model)
     params = dict(raw.named_parameters())
-    logps = token_logps(raw, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                        ro.response_mask[rows], cfg.temperature)
+    with amp_context(cfg):  # the optimizer step's own forward (loop/precision.py)
+        logps = token_logps(raw, ro.prompt_ids[rows], ro.prompt_mask[rows],
+                            ro.response_ids[rows], ro.response_mask[rows], cfg.temperature)
     batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
                        adv[rows], ro.group[rows], validate=False)
     loss, _ = L.objective(batch)

@@ -4,7 +4,7 @@ after `load_policy`, and returns the task the loop should draw prompts from.
 
 What gradlab does with a real model folder (docs/guides/real-models.md):
 - weights load as float32 master weights (bf16 folders included); `--amp` autocasts the
-  forward passes to bf16 on CUDA, so AdamW updates fp32 weights;
+  forward passes to bf16 (any device, loop/precision.py), so AdamW updates fp32 weights;
 - attention is PyTorch SDPA; the KV cache and left padding are gradlab's own (rollout.py);
 - sampling is at `--temperature` over the full tokenizer vocabulary: the model's
   generation_config top-k / top-p / temperature are ignored (old_logps must be the model's own

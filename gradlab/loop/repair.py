@@ -90,7 +90,8 @@ def generate_repair(model, tokenizer, problems: list, G: int, max_new_tokens: in
     or a local repair's p_k; −1 elsewhere), `generated` (a sampled repair: its tokens from
     branch_at; a splice: 0), `repairs_tried` (candidates) and
     `discarded_tokens` (tokens sampled by failed tries)."""
-    from .rollout import _autocast, _encode_prompts, check_prompt_lengths, score, stop_ids
+    from .precision import autocast
+    from .rollout import _encode_prompts, check_prompt_lengths, score, stop_ids
 
     if mode not in REPAIR_MODES or tries < 1 or temperature <= 0:
         raise ValueError(f"repair {mode!r} (valid: {REPAIR_MODES}), tries {tries} (≥ 1), "
@@ -106,7 +107,7 @@ def generate_repair(model, tokenizer, problems: list, G: int, max_new_tokens: in
     was_training = model.training
     model.eval()
     try:
-        with _autocast(dev, amp):
+        with autocast(dev, amp):
             base = sample_roots(model, pids, pmask, keys, max_new_tokens, temperature, stops,
                                 n_vocab)
             first = assemble(tokenizer, stops, pids, pmask, rows, group, [base],

@@ -11,13 +11,13 @@ float32).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 from .logprobs import positions as _positions
+from .precision import autocast
 
 
 @dataclass
@@ -76,13 +76,6 @@ def score(task, rollout: Rollout) -> torch.Tensor:
     r = [task.reward(p, t) for p, t in zip(rollout.problems, rollout.texts)]
     rollout.rewards = torch.tensor(r, dtype=torch.float32, device=rollout.response_ids.device)
     return rollout.rewards
-
-
-def _autocast(device: torch.device, amp: bool):
-    # bf16 autocast only on CUDA; on CPU we keep float32 so logps stay exact.
-    if amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _signed(c: int) -> int:
@@ -239,7 +232,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with _autocast(device, amp):
+        with autocast(device, amp):
             toks, logps = _sample_loop(model, prompt_ids, prompt_mask, max_new_tokens, temperature,
                                        generator, stops, pad_id, row_keys, len(tokenizer))
     finally:

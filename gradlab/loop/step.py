@@ -22,15 +22,9 @@ from .guard import admit
 from .layouts import batch_repair_of
 from .logprobs import token_logps
 from .metrics import StepMetrics
+from .precision import amp_context
 from .rollout import Rollout
 from .traces import record_trace
-
-
-def amp_context(cfg: RunConfig):
-    """bf16 autocast on CUDA when asked; a no-op on CPU."""
-    if cfg.amp and cfg.device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def minibatches(group: torch.Tensor, k: int, gen: torch.Generator, split: bool,
@@ -240,8 +234,11 @@ def tax_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBat
     `micro_batch` rows whose g_tax add up."""
     raw = unwrap(L.model)
     params = dict(raw.named_parameters())
+    # g_tax in float32: under FSDP --amp the gathered weights are bf16 (loop/precision.py),
+    # and the ranks' sum (`reduce_tax`) needs one dtype, that of an idle rank's float32 zeros
     if sn.n == 0:
-        return tax_report({n: torch.zeros_like(p) for n, p in params.items()}, params)
+        return tax_report({n: torch.zeros_like(p, dtype=torch.float32)
+                           for n, p in params.items()}, params)
     reps = torch.unique(sn.rep)
     t_max = int(sn.position.max()) + 1
     D = residual_grad_outputs(W, batch, sn)[:, :t_max]
@@ -252,7 +249,7 @@ def tax_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBat
         with amp_context(cfg):
             lp = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
                              ro.response_mask[r, :t_max], cfg.temperature)
-        g = tax_grads(lp, D[part], params)
+        g = {n: v.float() for n, v in tax_grads(lp, D[part], params).items()}
         tax = g if tax is None else {n: tax[n] + g[n] for n in tax}
     return tax_report(tax, params, None, layer_groups(raw))
 

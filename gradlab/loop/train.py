@@ -30,12 +30,13 @@ from .layouts import sample_layout
 from .livelog import LiveLogger
 from .metrics import StepMetrics
 from .policy import load_policy
+from .precision import amp_context
 from .preempt import Preempted, StopSignals
 from .probeset import probe_metrics, probe_set
 from .realmodel import format_problems, prepare_run
 from .resume import resolve_resume, restore
 from .rollout import Rollout
-from .step import amp_context, minibatches, optimizer_step
+from .step import minibatches, optimizer_step
 from .store import RunStore
 from .task import BUILTIN_TASKS, check_encodable, get_task
 from .traces import TraceWriter
@@ -172,7 +173,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
         plain = list(L.model.parameters())
-        L.model = D.wrap(L.model)
+        L.model = D.wrap(L.model, cfg.amp)
         if D.fsdp:  # sharding replaced the parameters: a new optimizer, same state (resume)
             L.opt = rebuild_optimizer(L.model, L.opt, plain)
         L.tracer = tracer

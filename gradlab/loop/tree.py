@@ -241,7 +241,8 @@ def generate_tree(model, tokenizer, problems: list, G: int, max_new_tokens: int,
     −1 for roots), `branch_at` (response position where the row leaves its parent, −1 for
     roots) and `generated` (tokens the sampler produced for the row: length − branch_at).
     row_keys (len(problems)·G,): the keys of the independent layout's rows (`rollout.generate`)."""
-    from .rollout import _autocast, _encode_prompts, check_prompt_lengths, score, stop_ids
+    from .precision import autocast
+    from .rollout import _encode_prompts, check_prompt_lengths, score, stop_ids
 
     if branch_at not in BRANCH_AT or branch_token not in BRANCH_TOKEN:
         raise ValueError(f"branch_at {branch_at!r} / branch_token {branch_token!r}; valid: "
@@ -264,7 +265,7 @@ def generate_tree(model, tokenizer, problems: list, G: int, max_new_tokens: int,
     was_training = model.training
     model.eval()
     try:
-        with _autocast(dev, amp):
+        with autocast(dev, amp):
             for d in range(max(depth) + 1):
                 js = [j for j in range(G) if depth[j] == d]
                 for s, j in enumerate(js):
