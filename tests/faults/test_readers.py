@@ -29,7 +29,8 @@ def test_reading_a_run_while_it_trains(tmp_path):
     """A real run (trace every 2 steps) read in a loop as fast as possible while it writes:
     every read is a prefix and the prefixes grow; the page is written from a live run too."""
     out = tmp_path / "run"
-    p = popen(gradlab_cmd(out, *RUN, "--steps", "50", "--ckpt-every", "1"))
+    # far more steps than the reads take: the run is stopped by the SIGTERM below, not by its end
+    p = popen(gradlab_cmd(out, *RUN, "--steps", "5000", "--ckpt-every", "1"))
     try:
         wait_lines(out / "metrics.jsonl", 1, p)
         seen, t0 = [], time.time()
