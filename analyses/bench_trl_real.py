@@ -13,7 +13,7 @@ accumulation 1), one torch thread. Loss: gradlab "grpo" (token-mean PPO-clip) vs
   trl            trl.GRPOTrainer
   trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ and the run store)
 
-Optimizer steps/s: rollouts 2..R of the training loop (rollout = sampling + its optimizer
+Optimizer steps/s (wall, and per CPU second of the single-threaded child): rollouts 2..R of the training loop (rollout = sampling + its optimizer
 steps; the first rollout is a warm-up and not counted; setup, checkpoints and evaluation are
 excluded: gradlab's `rollout_step` calls, TRL's step ends). Peak memory: the child's ru_maxrss
 (setup included), and its RSS when training starts (model, optimizer and trainer built). A random-init model almost never samples
@@ -52,8 +52,8 @@ def _rss_mib() -> float:
 
 
 def run_gradlab(a: argparse.Namespace, folder: str, probes: bool, tmp: str,
-                rss: list[float]) -> list[float]:
-    """Wall seconds of each rollout step (sampling + optimizer steps + probes) of gradlab;
+                rss: list[float]) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each rollout step (sampling + optimizer steps + probes);
     appends the RSS (MiB) at the first one (setup done) to `rss`."""
     import gradlab.loop.train as gl_train
     from gradlab.loop.config import RunConfig
@@ -68,11 +68,11 @@ def run_gradlab(a: argparse.Namespace, folder: str, probes: bool, tmp: str,
     def timed(*args, **kw):
         if not times:
             rss.append(_rss_mib())
-        t0 = time.perf_counter()
+        t0 = (time.perf_counter(), time.process_time())
         try:
             return inner(*args, **kw)
         finally:
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0[0], time.process_time() - t0[1]))
 
     gl_train.rollout_step = timed
     RunStore.save_checkpoint = lambda *args, **kw: None  # TRL saves nothing either
@@ -81,8 +81,8 @@ def run_gradlab(a: argparse.Namespace, folder: str, probes: bool, tmp: str,
 
 
 def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
-            rss: list[float]) -> list[float]:
-    """Wall seconds of each rollout (steps_per_generation optimizer steps) of TRL; appends
+            rss: list[float]) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of each rollout (steps_per_generation optimizer steps); appends
     the RSS (MiB) at train begin (setup done) to `rss`."""
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
@@ -93,14 +93,14 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
-            self.ends: list[float] = []
+            self.ends: list[tuple[float, float]] = []
 
         def on_train_begin(self, args, state, control, **kw):
             rss.append(_rss_mib())
-            self.ends.append(time.perf_counter())
+            self.ends.append((time.perf_counter(), time.process_time()))
 
         def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
+            self.ends.append((time.perf_counter(), time.process_time()))
 
     model, tok = load_policy(folder)
     args = grpo_args("dapo", "token", a.minibatches, a.rollouts * a.minibatches,
@@ -116,7 +116,7 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
     tr.add_callback(clock)
     tr.train()
     e = clock.ends[:: a.minibatches]  # train begin, then the end of each rollout's last step
-    return [t1 - t0 for t0, t1 in zip(e, e[1:])]
+    return [(t1[0] - t0[0], t1[1] - t0[1]) for t0, t1 in zip(e, e[1:])]
 
 
 def child(a: argparse.Namespace) -> dict:
@@ -131,8 +131,11 @@ def child(a: argparse.Namespace) -> dict:
         fn = run_gradlab if a.runner.startswith("gradlab") else run_trl
         times = fn(a, a.folder, a.runner in ("gradlab+probes", "trl+gradlab"), tmp, start)
     timed = times[1:] or times  # the first rollout is a warm-up
-    return {"runner": a.runner, "rollout_s": times, "steps_per_s":
-            a.minibatches * len(timed) / sum(timed), "rss_start_mib": start[0],
+    steps = a.minibatches * len(timed)
+    return {"runner": a.runner, "rollout_s": [w for w, _ in times],
+            "rollout_cpu_s": [c for _, c in times],
+            "steps_per_s": steps / sum(w for w, _ in timed),
+            "steps_per_cpu_s": steps / sum(c for _, c in timed), "rss_start_mib": start[0],
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -151,21 +154,26 @@ def spawn(a: argparse.Namespace, runner: str, folder: str) -> dict:
 def report(res: dict[str, list[dict]], a: argparse.Namespace, info: dict) -> dict:
     """Markdown table of medians over rounds; ratios to TRL; returns the medians."""
     med = {k: {m: statistics.median(r[m] for r in v)
-               for m in ("steps_per_s", "peak_rss_mib", "rss_start_mib")} for k, v in res.items()}
+               for m in ("steps_per_s", "steps_per_cpu_s", "peak_rss_mib", "rss_start_mib")}
+           for k, v in res.items()}
     t = med["trl"]
     print(f"\ngradlab vs TRL GRPOTrainer, random-init Qwen3 V=151,936 ({info['params'] / 1e6:.1f} M "
           f"parameters, hidden {a.hidden}, {a.layers} layers), {a.prompts} prompts × G={a.G} × "
           f"{a.tokens} tokens per rollout, {a.minibatches} optimizer steps per rollout, "
           f"{a.rollouts} rollouts (first not timed), {a.rounds} round(s), 1 thread\n")
-    print("| runner | optimizer steps/s | ratio to TRL | peak RSS (MiB) | ratio to TRL | "
-          "RSS at train start (MiB) |\n|---|---:|---:|---:|---:|---:|")
+    print("| runner | optimizer steps/s (wall) | ratio to TRL | steps per CPU-s | ratio to TRL | "
+          "peak RSS (MiB) | ratio to TRL | RSS at train start (MiB) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
     for k, m in med.items():
+        c = m["steps_per_cpu_s"]
         print(f"| {k} | {m['steps_per_s']:.3f} | {m['steps_per_s'] / t['steps_per_s']:.2f}× | "
+              f"{c:.3f} | {c / t['steps_per_cpu_s']:.2f}× | "
               f"{m['peak_rss_mib']:.0f} | {m['peak_rss_mib'] / t['peak_rss_mib']:.2f}× | "
               f"{m['rss_start_mib']:.0f} |")
     if "gradlab" in med:
         g = med["gradlab"]
-        print(f"\ntargets: gradlab / trl steps/s ≥ 1.2 ({g['steps_per_s'] / t['steps_per_s']:.2f});"
+        print(f"\ntargets: gradlab / trl steps/s ≥ 1.2 ({g['steps_per_s'] / t['steps_per_s']:.2f} "
+              f"wall, {g['steps_per_cpu_s'] / t['steps_per_cpu_s']:.2f} CPU);"
               f" gradlab peak ≤ trl peak ({g['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB)")
     return med
 
