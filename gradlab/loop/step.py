@@ -14,7 +14,7 @@ import torch
 from ..core import objectives
 from ..core.batch import TokenBatch
 from ..probes import ModulationProbe, layer_groups, measure_step
-from ..probes.drift import divergent_dlogp, drift_sums, kl_nodes, node_terms
+from ..probes.drift import divergent_dlogp, drift_sums, kl_nodes, kl_rows
 from ..probes.tax import reduce_tax, residual_grad_outputs, tax_grads, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
@@ -291,8 +291,19 @@ def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn,
             slot = held.slot()
         tok[idx] = lp.gather(-1, sn.token[idx, None]).squeeze(-1)
         k = slot[idx] >= 0
-        held.dist[slot[idx[k]]] = lp[k]
+        if bool(k.all()):  # every node of the chunk kept: no masked copy of lp
+            held.dist.index_copy_(0, slot[idx], lp)
+        elif bool(k.any()):
+            held.dist[slot[idx[k]]] = lp[k]
     return held
+
+
+def _held_rows(dist: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """dist[i] for (n,) row indices i: a view when i is a run i0, i0 + 1, …, else a copy."""
+    i0 = int(i[0])
+    if bool((i == torch.arange(i0, i0 + i.numel(), device=i.device)).all()):
+        return dist[i0: i0 + i.numel()]
+    return dist[i]
 
 
 @torch.no_grad()
@@ -342,8 +353,10 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
         for idx, lp in _node_chunks(raw, cfg, ro, rows, sn):
             after[idx] = lp.gather(-1, sn.token[idx, None]).squeeze(-1)
             k = slot[idx] >= 0
-            if k.any():
-                kl[slot[idx[k]]] = node_terms(before.dist[slot[idx[k]]], lp[k], sn.token[idx[k]])[1]
+            if bool(k.all()):  # every node of the chunk kept: no masked copy of lp
+                kl[slot[idx]] = kl_rows(_held_rows(before.dist, slot[idx]), lp)
+            elif bool(k.any()):
+                kl[slot[idx[k]]] = kl_rows(_held_rows(before.dist, slot[idx[k]]), lp[k])
         acc.add_drift(drift_sums(after - before.token_logp, kl))
     if not heavy:
         return

@@ -27,7 +27,8 @@ def kl_rows(logp_ref: Tensor, logp_now: Tensor) -> Tensor:
     """
     if logp_ref.shape != logp_now.shape:
         raise ValueError(f"kl_rows: shapes differ, {tuple(logp_ref.shape)} vs {tuple(logp_now.shape)}")
-    return (logp_ref.exp() * (logp_ref - logp_now)).sum(-1)
+    d = logp_ref - logp_now
+    return d.mul_(logp_ref.exp()).sum(-1)  # p_ref · (log p_ref − log p_now), two temporaries
 
 
 def _stats(prefix: str, dlogp: Tensor, kl: Tensor, keep: Tensor) -> dict[str, Tensor]:
