@@ -6,7 +6,8 @@
 Same batch, same objective (GSPO), same model, measured side by side and interleaved:
   bare   forward → loss → backward → clip → AdamW step (what a trainer does)
   loop   gradlab's own step with --no-probes: bare + the per-token entropy every step logs
-         (one V-wide softmax per token, no gradient) and the micro-batch bookkeeping
+         (from the log-softmax's own logits chunk: one dot product per token, no gradient),
+         the non-finite guard and the micro-batch bookkeeping
   cheap  + hook-measured W, W deviation from closed form, residuals at prefix and trie nodes,
          entropy, drift at the step's shared nodes (gradlab's every-step tier)
   traced cheap + the token traces of 2 groups written to Parquet (a step the loop traces:

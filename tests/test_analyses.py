@@ -261,3 +261,21 @@ def test_tree_tandem_quick(tmp_path):
     acc = df[df["metric"] == "heldout_acc"]["value"]
     assert len(acc) == 7 and acc.between(0, 1).all()
     assert (out / "tree_tandem.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_trl_real_smoke(tmp_path):
+    """gradlab and TRL on a tiny real-vocabulary model, each in a child process: per-rollout
+    times, steps/s over the timed rollouts, and per-process memory come back."""
+    from analyses import bench_trl_real
+
+    out = tmp_path / "trl_real.json"
+    med = bench_trl_real.main(["--hidden", "32", "--layers", "1", "--prompts", "1", "--G", "2",
+                               "--tokens", "2", "--minibatches", "1", "--rollouts", "2",
+                               "--runners", "gradlab,trl", "--json", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert set(med) == set(runs) == {"gradlab", "trl"}
+    for name, (r,) in runs.items():
+        assert len(r["rollout_s"]) == 2 and all(t > 0 for t in r["rollout_s"])
+        assert r["steps_per_s"] == pytest.approx(1 / r["rollout_s"][1])  # 1 step, 2nd rollout
+        assert r["peak_rss_mib"] >= r["rss_start_mib"] > 0
+        assert med[name]["steps_per_s"] == r["steps_per_s"]

@@ -535,3 +535,18 @@ def test_checkpoints_torn_between_objectives_are_one_line(tmp_path, damage, caps
     assert main(["tandem", "--out", str(out), "--resume", "--steps", "2"]) == 2
     err = _one_line(capsys)
     assert "(a crash while saving them)" in err and f"delete {out / 'checkpoints'}" in err
+
+
+def test_all_finite_check_equals_elementwise_isfinite():
+    """The guard's one-pass check (a float32 sum, exact max |x| when the sum is not finite)
+    equals isfinite over every element, including finite values whose sum overflows."""
+    from gradlab.loop.guard import _all_finite
+
+    big = torch.full((4,), 3e38)  # finite; the sum overflows to inf
+    cases = [[torch.randn(3, 5), torch.randn(7)], [big], [big, -big], [torch.randn(4), big],
+             [torch.tensor([1.0, float("inf")])], [torch.tensor([float("nan")]), torch.ones(2)],
+             [torch.tensor([float("inf")]), torch.tensor([-float("inf")])], [], [torch.ones(0)],
+             [torch.tensor([1.0, float("-inf")], dtype=torch.bfloat16)]]
+    for ts in cases:
+        ref = all(bool(torch.isfinite(t).all()) for t in ts)
+        assert bool(_all_finite(ts)) == ref, ts

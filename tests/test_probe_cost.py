@@ -1,6 +1,7 @@
-"""The per-token entropy every loop step logs is a reading: with entropy_grad=False it carries no
-graph, so the chunked LM head's checkpoint recompute in backward stops before the V-wide softmax
-(the cheap tier's overhead at V = 151,936). Values and gradients are unchanged, bit for bit."""
+"""The per-token entropy every loop step logs comes from the logits chunk already in memory:
+inside the chunked selective log-softmax it reuses the logsumexp's exp pass (one dot product
+per token, no softmax, no second V-wide pass), and as a reading (entropy_grad=False) it adds
+nothing to the backward. Values and gradients are unchanged, bit for bit."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,29 +38,59 @@ def _setup(vocab: int = 257):
     return model, batch
 
 
-def _run(model, batch, chunk, entropy_grad):
+def _setup(vocab: int = 257):
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    N, P, T = 4, 3, 9
+    rm = torch.arange(T)[None] < torch.tensor([9, 4, 7, 2])[:, None]
+    batch = (torch.randint(2, vocab, (N, P), generator=g), torch.ones(N, P, dtype=torch.bool),
+             torch.randint(2, vocab, (N, T), generator=g) * rm, rm)
+    return model, batch
+
+
+def _run(model, batch, chunk, entropy, entropy_grad=False):
+    """(logps, entropy or None, grads, forward ops, backward ops) of a loss on the log-probs."""
     model.zero_grad(set_to_none=True)
-    lp, ent = token_logps(model, *batch, 0.9, return_entropy=True, chunk=chunk,
+    with _Count() as fwd:
+        out = token_logps(model, *batch, 0.9, return_entropy=entropy, chunk=chunk,
                           entropy_grad=entropy_grad)
+    lp, ent = out if entropy else (out, None)
     w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     loss = (w * lp).sum()
-    with _Count() as c:
+    with _Count() as bwd:
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return lp.detach(), ent, grads, c.ops
+    return lp.detach(), ent, grads, fwd.ops, bwd.ops
 
 
-def test_entropy_reading_same_values_no_softmax_in_backward():
+def test_entropy_from_the_same_chunk_no_second_pass():
+    """Chunked path: asking for the entropy adds a bmm (the dot product e · z per token) and
+    no exp, softmax or log-softmax; as a reading its backward is the log-probs' own."""
     model, batch = _setup()
-    for chunk in (4, None):  # chunked (checkpointed) path and the one-chunk plain grid
-        lp1, ent1, g1, ops1 = _run(model, batch, chunk, True)
-        lp0, ent0, g0, ops0 = _run(model, batch, chunk, False)
+    lp_n, _, g_n, fwd_n, bwd_n = _run(model, batch, 4, False)
+    lp_e, ent, g_e, fwd_e, bwd_e = _run(model, batch, 4, True)
+    assert not ent.requires_grad
+    assert fwd_n.get("exp_", 0) > 0  # the chunks' one exp pass (attention has its own softmax)
+    for op in ("exp", "exp_", "_softmax", "_log_softmax", "logsumexp"):
+        assert fwd_e.get(op, 0) == fwd_n.get(op, 0), op
+    assert fwd_e.get("bmm", 0) > fwd_n.get("bmm", 0)
+    assert bwd_e == bwd_n
+    assert torch.equal(lp_e, lp_n) and all(torch.equal(g_e[n], g_n[n]) for n in g_n)
+
+
+def test_entropy_reading_same_values_as_with_graph():
+    model, batch = _setup()
+    for chunk in (4, None):  # chunked path and the one-chunk plain grid
+        lp1, ent1, g1, _, _ = _run(model, batch, chunk, True, True)
+        lp0, ent0, g0, _, _ = _run(model, batch, chunk, True, False)
         assert ent1.requires_grad and not ent0.requires_grad
         assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1.detach())
         assert all(torch.equal(g0[n], g1[n]) for n in g1)
-        if chunk == 4:  # the checkpoint recompute redoes the softmax only for a graphed entropy
-            assert ops1.get("_softmax", 0) > 0
-            assert ops0.get("_softmax", 0) == 0
 
 
 def test_shared_drift_in_row_chunks_is_the_one_pass_figure():

@@ -390,7 +390,10 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     for heavy, mb in ((False, None), (True, None), (True, 4)):
         cfg = RunConfig(progress=False, G=4, micro_batch=mb)
         nodes_before = node_logprobs(model, cfg, ro, rows, sn)
-        assert torch.allclose(nodes_before, before[sn.rep, sn.position], atol=1e-5)
+        assert torch.equal(nodes_before.kept, torch.arange(sn.n))  # tiny V: every node kept
+        assert torch.allclose(nodes_before.dist, before[sn.rep, sn.position], atol=1e-5)
+        tok_before = before[sn.rep, sn.position].gather(-1, sn.token[:, None]).squeeze(-1)
+        assert torch.allclose(nodes_before.token_logp, tok_before, atol=1e-5)
         acc = StepMetrics()
         drift_step(Learner("x", None, after_model, None, None), cfg, ro, rows, b, nodes_before,
                    sn, heavy, acc)

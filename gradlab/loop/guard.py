@@ -29,11 +29,32 @@ class NonFiniteError(RuntimeError):
 def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
     """max |x| over all tensors (NaN when any element is NaN), one device tensor, no sync.
     FSDP's sharded tensors: this rank's shard (the ranks' verdicts are combined by `_agree`)."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    local = [t for t in local if t.numel()]
+    local = _local(tensors)
     if not local:
         return torch.zeros(())
     return torch.stack([t.detach().abs().amax().float() for t in local]).amax()
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The non-empty local parts of `tensors` (an FSDP shard's own elements)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return [t for t in local if t.numel()]
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """0-dim bool: every element of every tensor is finite (this rank's shards).
+
+    One summing pass, no copy: a float32 sum is non-finite whenever an element is (±inf and
+    NaN propagate, inf − inf is NaN). A finite sum can also overflow, so a non-finite sum
+    is settled by the exact `_max_abs` (a host read of one bool; never on a healthy step
+    whose sum stays below float32's 3.4e38).
+    """
+    local = _local(tensors)
+    if not local:
+        return torch.ones((), dtype=torch.bool)
+    s = torch.stack([t.detach().sum(dtype=torch.float32) for t in local]).sum()
+    ok = torch.isfinite(s)
+    return ok if bool(ok) else torch.isfinite(_max_abs(local))
 
 
 def _where(L) -> str:
@@ -49,7 +70,7 @@ def admit(L, cfg, loss: torch.Tensor, acc) -> bool:
     _install(L, cfg, acc)
     grads = [p.grad for p in L.model.parameters() if p.grad is not None]
     ok_loss, ok_grad = _agree(acc, torch.stack([torch.isfinite(loss.detach().float()).all(),
-                                                torch.isfinite(_max_abs(grads).to(loss.device))]))
+                                                _all_finite(grads).to(loss.device)]))
     L._gl_acc = acc  # where the post-hook counts a skipped step
     if ok_loss and ok_grad:
         if cfg.on_nonfinite == "skip":
@@ -88,7 +109,7 @@ def _install(L, cfg, acc) -> None:
 
     def after_step(opt, args, kwargs) -> None:
         params = [p for g in opt.param_groups for p in g["params"]]
-        if _agree(L._gl_acc, torch.isfinite(_max_abs(params)).reshape(1))[0]:
+        if _agree(L._gl_acc, _all_finite(params).reshape(1))[0]:
             L._gl_snapshot = None
             return
         if cfg.on_nonfinite == "stop":

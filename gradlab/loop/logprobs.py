@@ -6,20 +6,21 @@ attention mask, so a left-padded row sees the positions of the unpadded sequence
 
 Memory: logits never exceed LOGIT_BUDGET float32 entries (64 MiB) per chunk. The model body
 runs once; when N × T × V fits the budget the LM head runs on the (N, T, V) grid (the numerics
-of a plain forward, bit for bit). Otherwise the LM head and a selective log-softmax
-(logsumexp minus the gathered logit) run over the response tokens only (mask True), `chunk`
-tokens at a time, in float32 from bf16 logits under autocast, each chunk under
-`torch.utils.checkpoint`, so its (chunk, V) logits are recomputed in backward instead of
-stored: peak logits memory is O(chunk × V), not O(N T V).
+of a plain forward, bit for bit). Otherwise the LM head and a selective log-softmax run over
+the response tokens only (mask True), `chunk` tokens at a time, in float32 (from bf16 logits
+under autocast), in one autograd Function per chunk (`_SelectiveLogSoftmax`) that saves only
+the chunk's hidden states and logsumexp and recomputes its (chunk, V) logits in backward:
+peak logits memory is O(chunk × V), not O(N T V). The per-token entropy, when asked for, comes
+from the same chunk and the same exp pass as the logsumexp (one extra dot product per token).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 LOGIT_BUDGET = 1 << 24  # float32 logits per chunk (64 MiB): chunk = LOGIT_BUDGET // V tokens
 
@@ -49,9 +50,9 @@ def token_logps(
     in that order, all at `temperature` (logits / temperature).
     chunk: logit rows per LM-head chunk (default LOGIT_BUDGET // V). return_logprobs=True
     materialises (N, T, V) by definition: call it on a few rows only (drift, probe set).
-    entropy_grad=False: the entropy is a reading only (no graph). Why it matters: under the
-    chunked path the checkpoint's backward then stops recomputing each chunk once lp's saved
-    tensors are back, instead of redoing the V-wide softmax of the entropy (same values).
+    entropy_grad=False: the entropy is a reading only (no graph; the loop's logged entropy).
+    On the chunked path the entropy costs one dot product per token over the chunk's logits
+    already in memory; its gradient, when kept, is added in the chunk's own backward.
     """
     ids = torch.cat([prompt_ids, response_ids], dim=1)  # (N, P + T)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
@@ -67,12 +68,8 @@ def token_logps(
                             False, entropy_grad)
     sel = response_mask.nonzero(as_tuple=True)  # only real response tokens reach the head
     hs, tok = h[:, :-1][sel], response_ids[sel]  # (M, H), (M,): position t predicts token t
-    parts = []
-    for s in range(0, tok.numel(), c):
-        args = (head, hs[s : s + c], tok[s : s + c], temperature, return_entropy, entropy_grad)
-        use_ckpt = torch.is_grad_enabled() and tok.numel() > c  # one chunk: nothing to save
-        parts.append(checkpoint(_selective, *args, use_reentrant=False) if use_ckpt
-                     else _selective(*args))
+    parts = [_selective(head, hs[s : s + c], tok[s : s + c], temperature, return_entropy,
+                        entropy_grad) for s in range(0, tok.numel(), c)]
     out = []
     for k in range(2 if return_entropy else 1):  # scatter back to (N, T), 0 where masked
         vals = torch.cat([p[k] for p in parts]) if parts else h.new_zeros(0, dtype=torch.float32)
@@ -80,18 +77,106 @@ def token_logps(
     return tuple(out) if return_entropy else out[0]
 
 
+def context_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                     response_ids: torch.Tensor, response_mask: torch.Tensor, row: torch.Tensor,
+                     pos: torch.Tensor, temperature: float = 1.0,
+                     chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Next-token log-softmax (nats, float32, at `temperature`) at n chosen contexts only.
+
+    Context i is (row[i], pos[i]): the distribution of response token pos[i] of row row[i]
+    (row, pos: (n,) long into the (N, T) response grid). One body forward over the N rows,
+    then the LM head on the n contexts' hidden states only, `chunk` contexts at a time
+    (default LOGIT_BUDGET // V): yields (start, (c, V) log-softmax of contexts start..start+c).
+    Peak logits memory is O(chunk × V), never (N, T, V). Models without a separate LM head
+    (FSDP-sharded, not Hugging Face) take the plain (N, T, V) forward and yield one chunk.
+    """
+    body, head = _body_and_head(model)
+    if head is None:
+        _, lp = token_logps(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                            temperature, return_logprobs=True)
+        yield 0, lp[row, pos]
+        return
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    h = _hidden(model, body, ids, mask)[:, prompt_ids.shape[1] - 1 :]  # h[:, t] predicts token t
+    hs = h[row, pos]  # (n, H)
+    del h
+    c = chunk or max(1, LOGIT_BUDGET // head.out_features)
+    for s in range(0, hs.shape[0], c):
+        yield s, F.log_softmax(head(hs[s : s + c]).float() / temperature, dim=-1)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """Log-probs of `tok` and the entropy from one (c, V) logits chunk, one exp pass for both.
+
+    Forward: z = head(hs) / temperature in float32; m = max z, e = exp(z − m), s = Σ e,
+    lse = m + log s, lp = z[tok] − lse, H = lse − (e · z) / s (= −Σ p log p). The entropy
+    reuses e: one dot product per row, no softmax, no second V-wide exp. Saved for backward:
+    hs (c, H), tok, lse, H — never the logits. Backward recomputes the chunk's logits (the LM
+    head under the forward's autocast state), p = exp(z − lse), and
+    dz = g_lp (onehot(tok) − p) − g_H p (z − E_p z), then the head's two matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx, hs, weight, bias, head, tok, temperature, entropy, entropy_grad):
+        dev = hs.device.type
+        ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        z = _chunk_logits(head, hs, temperature)  # (c, V) float32
+        m = z.amax(-1, keepdim=True)
+        e = (z - m).exp_()
+        s_ = e.sum(-1)
+        lse = m.squeeze(-1) + s_.log()
+        lp = z.gather(-1, tok[:, None]).squeeze(-1) - lse
+        ent = (lse - torch.bmm(e[:, None, :], z[:, :, None]).view(-1) / s_) if entropy \
+            else lse.new_zeros(0)
+        del z, e
+        ctx.head, ctx.temperature, ctx.ent_grad = head, temperature, entropy and entropy_grad
+        ctx.save_for_backward(hs, tok, lse, ent)
+        if not ctx.ent_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hs, tok, lse, ent = ctx.saved_tensors
+        head = ctx.head
+        dev, on, dtype = ctx.amp
+        with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+            raw = head(hs)  # (c, V), the forward's dtype
+        z = raw.float()
+        if ctx.temperature != 1.0:
+            z = z / ctx.temperature
+        p = (z - lse[:, None]).exp_()  # softmax
+        if ctx.ent_grad:  # dH/dz = −p (z − E_p z), E_p z = lse − H
+            gz = p * (z.sub_((lse - ent)[:, None]).mul_(-g_ent[:, None]).sub_(g_lp[:, None]))
+        else:
+            gz = p.mul_(-g_lp[:, None])
+        del z
+        gz[torch.arange(tok.numel(), device=tok.device), tok] += g_lp
+        if ctx.temperature != 1.0:
+            gz.div_(ctx.temperature)
+        gz = gz.to(raw.dtype)
+        w = head.weight
+        g_hs = (gz @ w.to(raw.dtype)).to(hs.dtype) if ctx.needs_input_grad[0] else None
+        g_w = (gz.t() @ hs.to(raw.dtype)).to(w.dtype) if ctx.needs_input_grad[1] else None
+        g_b = gz.sum(0).to(head.bias.dtype) if head.bias is not None and ctx.needs_input_grad[2] \
+            else None
+        return g_hs, g_w, g_b, None, None, None, None, None
+
+
+def _chunk_logits(head, hs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(c, V) float32 logits / temperature of (c, H) hidden states (no copy at T = 1 in fp32)."""
+    z = head(hs).float()
+    return z / temperature if temperature != 1.0 else z
+
+
 def _selective(head, hs: torch.Tensor, tok: torch.Tensor, temperature: float, entropy: bool,
                entropy_grad: bool = True):
-    """(c,) log-probs of `tok` and (c,) entropies from (c, H) hidden states: the (c, V) logits
-    live only inside this function (float32, logsumexp minus the gathered logit)."""
-    logits = head(hs).float() / temperature  # (c, V)
-    lse = logits.logsumexp(-1)
-    lp = logits.gather(-1, tok[:, None]).squeeze(-1) - lse
-    if not entropy:
-        return (lp,)
-    with _grad_if(entropy_grad):  # no graph: checkpoint's recompute never redoes this softmax
-        ent = lse - (F.softmax(logits, -1) * logits).sum(-1)  # H = logsumexp - E_p[logit]
-    return lp, ent
+    """(c,) log-probs of `tok` [and (c,) entropies] from (c, H) hidden states: the (c, V)
+    logits live only inside `_SelectiveLogSoftmax` (forward, and recomputed in backward)."""
+    lp, ent = _SelectiveLogSoftmax.apply(hs, head.weight, head.bias, head, tok, temperature,
+                                         entropy, entropy_grad)
+    return (lp, ent) if entropy else (lp,)
 
 
 def _grad_if(keep: bool):

@@ -167,8 +167,9 @@ def _ratios(s: dict) -> dict:
     for key in list(s):
         if key.startswith("drift_") and key.endswith("_sum"):
             stem = key[: -len("_sum")]
-            where, _ = stem.rsplit("_", 1)  # drift_node_kl → drift_node (count key)
-            out[f"{stem}_mean"] = div(s[key], s.get(f"{where}_count", 0))
+            where, _ = stem.rsplit("_", 1)  # drift_node_kl → its own count, else drift_node's
+            count = s.get(f"{stem}_count", s.get(f"{where}_count", 0))
+            out[f"{stem}_mean"] = div(s[key], count)
     if "n_rows" in s:
         r = s["n_rows"]
         out.update({"reward": div(s["reward_sum"], r), "accuracy": div(s["correct"], r),

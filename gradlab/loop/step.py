@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..core import objectives
 from ..core.batch import TokenBatch
 from ..probes import ModulationProbe, layer_groups, measure_step
-from ..probes.drift import divergent_dlogp, drift_sums, node_terms
+from ..probes.drift import divergent_dlogp, drift_sums, kl_nodes, kl_rows
 from ..probes.tax import reduce_tax, residual_grad_outputs, tax_grads, tax_report
 from .config import RunConfig
 from .dist import Dist, unwrap
 from .fsdp import FullGrads, gathered, is_sharded
 from .guard import admit
 from .layouts import batch_repair_of
-from .logprobs import token_logps
+from .logprobs import context_logprobs, token_logps
 from .metrics import StepMetrics
 from .precision import amp_context
 from .rollout import Rollout
@@ -254,46 +255,88 @@ def tax_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBat
     return tax_report(tax, params, None, layer_groups(raw))
 
 
+@dataclass
+class NodesBefore:
+    """What the drift keeps of π_before across the optimizer step, for N full-group nodes:
+    token_logp (N,) log π_before of each node's shared token; kept (K,) the nodes whose full
+    distribution is kept for the KL (`gradlab.probes.drift.kl_nodes`, K ≤ KL_BUDGET // V);
+    dist (K, V) log π_before(·) at those nodes (nats, at the run's temperature)."""
+
+    token_logp: torch.Tensor
+    kept: torch.Tensor
+    dist: torch.Tensor
+
+    def slot(self) -> torch.Tensor:
+        """(N,) long: the row of `dist` holding node n, −1 for nodes not kept."""
+        out = torch.full_like(self.token_logp, -1, dtype=torch.long)
+        return out.index_put_((self.kept,), torch.arange(self.kept.numel(), device=out.device))
+
+
 @torch.no_grad()
-def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn) -> torch.Tensor:
-    """(N, V) next-token log-probs (nats, at `cfg.temperature`) at the N full-group nodes of
-    `sn`: one representative row per group, truncated after the last shared position, in
-    chunks of `micro_batch` rows. Full distributions are only ever held at node positions."""
-    out = None
-    for sel, lp in _node_chunks(model, cfg, ro, rows, sn):
-        out = lp.new_empty(sn.n, lp.shape[-1]) if out is None else out
-        out[sel] = lp
-    return out
+def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn,
+                  cap: int | None = None) -> NodesBefore:
+    """π_before at the N full-group nodes of `sn`: every node's shared-token log-prob and the
+    full distributions of at most `cap` of them (`kl_nodes`; default KL_BUDGET // V), from
+    one representative row per group, truncated after the last shared position, in chunks of
+    `micro_batch` rows (`_node_chunks`). Memory held: (N,) + (K, V), whatever the batch."""
+    tok = torch.zeros(sn.n, device=sn.rep.device)
+    held = None
+    for idx, lp in _node_chunks(model, cfg, ro, rows, sn):
+        if held is None:
+            kept = kl_nodes(sn.n, lp.shape[-1], cap).to(sn.rep.device)
+            held = NodesBefore(tok, kept, lp.new_empty(kept.numel(), lp.shape[-1]))
+            slot = held.slot()
+        tok[idx] = lp.gather(-1, sn.token[idx, None]).squeeze(-1)
+        k = slot[idx] >= 0
+        if bool(k.all()):  # every node of the chunk kept: no masked copy of lp
+            held.dist.index_copy_(0, slot[idx], lp)
+        elif bool(k.any()):
+            held.dist[slot[idx[k]]] = lp[k]
+    return held
+
+
+def _held_rows(dist: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """dist[i] for (n,) row indices i: a view when i is a run i0, i0 + 1, …, else a copy."""
+    i0 = int(i[0])
+    if bool((i == torch.arange(i0, i0 + i.numel(), device=i.device)).all()):
+        return dist[i0: i0 + i.numel()]
+    return dist[i]
 
 
 @torch.no_grad()
 def _node_chunks(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn):
-    """Yields (sel (N,) bool, (|sel|, V) log-probs at those nodes), one micro-batch of
-    representative rows at a time (see `node_logprobs`)."""
+    """Yields (idx (c,) node indices, (c, V) log-probs at those nodes): one micro-batch of
+    representative rows per body forward, the LM head on the nodes' hidden states only, at
+    most LOGIT_BUDGET // V nodes at a time (`context_logprobs`)."""
     reps = torch.unique(sn.rep)  # (R,) local rows
     which = torch.searchsorted(reps, sn.rep)  # (N,) index into reps
     t_max = int(sn.position.max()) + 1
     size = cfg.micro_batch or reps.numel()
     for c in _chunks(reps.numel(), cfg):
         r = rows[reps[c: c + size]]
-        with amp_context(cfg):
-            _, lp = token_logps(model, ro.prompt_ids[r], ro.prompt_mask[r],
-                                ro.response_ids[r, :t_max], ro.response_mask[r, :t_max],
-                                cfg.temperature, return_logprobs=True)
-        sel = (which >= c) & (which < c + size)
-        yield sel, lp[which[sel] - c, sn.position[sel]]
-        del lp
+        sel = ((which >= c) & (which < c + size)).nonzero().squeeze(-1)
+        it = context_logprobs(model, ro.prompt_ids[r], ro.prompt_mask[r],
+                              ro.response_ids[r, :t_max], ro.response_mask[r, :t_max],
+                              which[sel] - c, sn.position[sel], cfg.temperature)
+        while True:
+            with amp_context(cfg):
+                part = next(it, None)
+            if part is None:
+                break
+            yield sel[part[0]: part[0] + part[1].shape[0]], part[1]
 
 
 @torch.no_grad()
 def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
-               before: torch.Tensor | None, sn, heavy: bool, acc: StepMetrics) -> None:
+               before: NodesBefore | None, sn, heavy: bool, acc: StepMetrics) -> None:
     """How the step just taken moved the policy (MATH.md §4).
 
-    before: (N, V) log-probs at the full-group nodes of `sn` before the step (`node_logprobs`;
-    None when there is no node). Every step: Δ log π of the shared token and the full
-    KL(π_before ‖ π_after) at the nodes, from a forward over one representative row per group,
-    truncated after its last shared position (~1/G of a batch forward over the shared prefix).
+    before: π_before at the full-group nodes of `sn` (`node_logprobs`; None when there is no
+    node). Every step: Δ log π of the shared token at every node, and KL(π_before ‖ π_after)
+    at the nodes `before.kept` (all of them unless the step has more than KL_BUDGET // V
+    nodes, then an evenly spaced sample: `kl_nodes`), from a forward over one representative
+    row per group, truncated after its last shared position (~1/G of a batch forward over
+    the shared prefix); π_after is reduced chunk by chunk, never held for all nodes.
     Heavy steps add the divergent positions, by sign of A — the sampled token's Δ log π only
     (before: the step's own log-probs `batch.logps`; after: a forward in micro-batch chunks).
     Why no KL there: it needs π_before(·) at every position, a (B, T, V) tensor kept across
@@ -301,11 +344,17 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
     computes it for callers that hold both distributions).
     """
     raw = unwrap(L.model)
-    if before is not None:  # π_after per micro-batch of nodes, reduced at once: never (N, V)
-        dlogp, kl = before.new_zeros(sn.n), before.new_zeros(sn.n)
-        for sel, after in _node_chunks(raw, cfg, ro, rows, sn):
-            dlogp[sel], kl[sel] = node_terms(before[sel], after, sn.token[sel])
-        acc.add_drift(drift_sums(dlogp, kl))
+    if before is not None:
+        after, kl = torch.zeros_like(before.token_logp), before.dist.new_zeros(before.kept.numel())
+        slot = before.slot()
+        for idx, lp in _node_chunks(raw, cfg, ro, rows, sn):
+            after[idx] = lp.gather(-1, sn.token[idx, None]).squeeze(-1)
+            k = slot[idx] >= 0
+            if bool(k.all()):  # every node of the chunk kept: no masked copy of lp
+                kl[slot[idx]] = kl_rows(_held_rows(before.dist, slot[idx]), lp)
+            elif bool(k.any()):
+                kl[slot[idx[k]]] = kl_rows(_held_rows(before.dist, slot[idx[k]]), lp[k])
+        acc.add_drift(drift_sums(after - before.token_logp, kl))
     if not heavy:
         return
     after = torch.zeros_like(batch.logps)

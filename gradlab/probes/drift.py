@@ -27,7 +27,8 @@ def kl_rows(logp_ref: Tensor, logp_now: Tensor) -> Tensor:
     """
     if logp_ref.shape != logp_now.shape:
         raise ValueError(f"kl_rows: shapes differ, {tuple(logp_ref.shape)} vs {tuple(logp_now.shape)}")
-    return (logp_ref.exp() * (logp_ref - logp_now)).sum(-1)
+    d = logp_ref - logp_now
+    return d.mul_(logp_ref.exp()).sum(-1)  # p_ref · (log p_ref − log p_now), two temporaries
 
 
 def _stats(prefix: str, dlogp: Tensor, kl: Tensor, keep: Tensor) -> dict[str, Tensor]:
@@ -110,10 +111,25 @@ def node_terms(logp_before: Tensor, logp_after: Tensor, token: Tensor,
     return dlogp, (torch.cat(kl) if kl else kl_rows(logp_before, logp_after))
 
 
+def kl_nodes(n: int, vocab: int, cap: int | None = None) -> Tensor:
+    """(K,) long: which of n nodes keep their full (V,) distribution for the KL of the drift.
+
+    K = min(n, cap), cap default KL_BUDGET // vocab (110 nodes, 64 MiB of float32, at
+    V = 151,936). With n ≤ cap every node (0..n−1); else K nodes evenly spaced over the node
+    order, floor(k · n / K) for k = 0..K−1 (a systematic sample: deterministic, spread over
+    groups and positions). This caps the π_before(·) rows a step keeps across its optimizer
+    step at K × V, whatever the batch; the Δ log π of the shared token needs no distribution
+    and stays exact at every node.
+    """
+    k = min(n, cap if cap is not None else max(1, KL_BUDGET // max(vocab, 1)))
+    return torch.arange(n) if k >= n else torch.arange(k) * n // k
+
+
 def drift_sums(dlogp: Tensor, kl: Tensor) -> dict[str, Tensor]:
-    """node_dlogp_sum, node_kl_sum, node_count (0-dim tensors) of the (N,) per-node terms."""
+    """node_dlogp_sum, node_count over the (N,) Δ log π terms; node_kl_sum, node_kl_count over
+    the (K,) KL terms (K = N unless the KL is taken at a sample of nodes, `kl_nodes`)."""
     return {"node_dlogp_sum": dlogp.sum(), "node_kl_sum": kl.sum(),
-            "node_count": torch.tensor(dlogp.numel())}
+            "node_count": torch.tensor(dlogp.numel()), "node_kl_count": torch.tensor(kl.numel())}
 
 
 def shared_drift(logp_before: Tensor, logp_after: Tensor, token: Tensor,
