@@ -145,6 +145,14 @@ def main() -> None:
               f"{t['cheap']:.3f} | {t['traced']:.3f} | {t['heavy']:.3f} | "
               f"{t['loop'] / t['bare']:.2f}× | {t['cheap'] / t['bare']:.2f}× | "
               f"{t['traced'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× |")
+        c = {k: t[f"cpu_{k}"] for k in ("bare", "loop", "cheap", "traced", "heavy")}
+        print(f"|   CPU time | | {c['bare']:.3f} | {c['loop']:.3f} | {c['cheap']:.3f} | "
+              f"{c['traced']:.3f} | {c['heavy']:.3f} | {c['loop'] / c['bare']:.2f}× | "
+              f"{c['cheap'] / c['bare']:.2f}× | {c['traced'] / c['bare']:.2f}× | "
+              f"{c['heavy'] / c['bare']:.2f}× |")
+        print(f"  (second row: CPU-time medians of this process, less sensitive to other jobs; "
+              f"time_probes (wall, the probes' own code) {t['probes_phase_cheap']:.3f} s of the cheap step, "
+              f"{t['probes_phase_heavy']:.3f} s of the heavy one)")
 
 
 if __name__ == "__main__":
