@@ -22,6 +22,7 @@ entropy at the first and last step, non-finite optimizer steps. Writes figures/t
 (tidy: task, layout, seed, objective, metric, value), .md, .json (provenance) and .png.
 
     python analyses/tree_tandem.py                  # 3 seeds; arithmetic 30 and scaffold 20 steps
+    python analyses/tree_tandem.py --seeds 5        # the published table (figures/tree_tandem.*)
     python analyses/tree_tandem.py --quick          # seconds: runs/tree_tandem-quick, for tests
 """
 
