@@ -38,21 +38,6 @@ def _setup(vocab: int = 257):
     return model, batch
 
 
-def _setup(vocab: int = 257):
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                      max_position_embeddings=64, tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    N, P, T = 4, 3, 9
-    rm = torch.arange(T)[None] < torch.tensor([9, 4, 7, 2])[:, None]
-    batch = (torch.randint(2, vocab, (N, P), generator=g), torch.ones(N, P, dtype=torch.bool),
-             torch.randint(2, vocab, (N, T), generator=g) * rm, rm)
-    return model, batch
-
-
 def _run(model, batch, chunk, entropy, entropy_grad=False):
     """(logps, entropy or None, grads, forward ops, backward ops) of a loss on the log-probs."""
     model.zero_grad(set_to_none=True)

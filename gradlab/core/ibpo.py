@@ -72,10 +72,10 @@ class IBPO(Objective):
         # One-entry cache: a step calls prepare for the loss, W, the residuals and the stats on
         # batches that differ only in logps; A depends on tokens, mask, group, rewards, repair_of.
         parts = (batch.tokens, batch.mask, batch.group, batch.rewards, batch.repair_of)
-        key = tuple((id(x), x._version) if x is not None else None for x in parts) + (
-            self.form, self.reweight, self.lam, self.scale)
-        if self._cache is None or self._cache[0] != key or not all(
-                a is b for a, b in zip(self._cache[1], parts)):
+        key = (tuple(None if x is None else x._version for x in parts),
+               self.form, self.reweight, self.lam, self.scale)
+        if self._cache is None or self._cache[0] != key or any(
+                a is not b for a, b in zip(self._cache[1], parts)):
             self._cache = (key, parts, self.token_advantages(batch))
         return batch.replace(advantages=self._cache[2], validate=False)
 

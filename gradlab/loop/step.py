@@ -287,12 +287,19 @@ def node_logprobs(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn,
             held = NodesBefore(tok, kept, lp.new_empty(kept.numel(), lp.shape[-1]))
             slot = held.slot()
         tok[idx] = lp.gather(-1, sn.token[idx, None]).squeeze(-1)
-        k = slot[idx] >= 0
-        if bool(k.all()):  # every node of the chunk kept: no masked copy of lp
-            held.dist.index_copy_(0, slot[idx], lp)
-        elif bool(k.any()):
-            held.dist[slot[idx[k]]] = lp[k]
+        if (kept := _kept(slot, idx)) is not None:
+            held.dist.index_copy_(0, kept[0], lp[kept[1]])
     return held
+
+
+def _kept(slot: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | slice] | None:
+    """Of a chunk's nodes `idx` (c,), those whose distribution is kept (`NodesBefore.slot`):
+    (their rows in `dist`, their rows in the chunk: a slice when all are kept, so no masked
+    copy of the (c, V) chunk is made), or None when none is."""
+    k = slot[idx] >= 0
+    if bool(k.all()):
+        return slot[idx], slice(None)
+    return (slot[idx[k]], k) if bool(k.any()) else None
 
 
 def _held_rows(dist: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -349,11 +356,8 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
         slot = before.slot()
         for idx, lp in _node_chunks(raw, cfg, ro, rows, sn):
             after[idx] = lp.gather(-1, sn.token[idx, None]).squeeze(-1)
-            k = slot[idx] >= 0
-            if bool(k.all()):  # every node of the chunk kept: no masked copy of lp
-                kl[slot[idx]] = kl_rows(_held_rows(before.dist, slot[idx]), lp)
-            elif bool(k.any()):
-                kl[slot[idx[k]]] = kl_rows(_held_rows(before.dist, slot[idx[k]]), lp[k])
+            if (kept := _kept(slot, idx)) is not None:
+                kl[kept[0]] = kl_rows(_held_rows(before.dist, kept[0]), lp[kept[1]])
         acc.add_drift(drift_sums(after - before.token_logp, kl))
     if not heavy:
         return
