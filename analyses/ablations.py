@@ -15,8 +15,8 @@ compute grows with G alike for both objectives; the difference is paired by seed
 
 Score: held-out accuracy of each final policy (the store's `eval_accuracy` when the run has one,
 else `--eval-n` fresh problems at temperature 1, the same problems and seed for every variant)
-and the training accuracy of the last 5 rollout steps; mean [95 % bootstrap] over seeds, and the
-paired difference to GSPO with its 95 % paired bootstrap interval (`gradlab.stats`). Each row
+and the training accuracy of the last 5 rollout steps; mean [95 % t interval] over seeds, and the
+paired difference to GSPO with its 95 % paired t interval and p-value (`gradlab.stats`). Each row
 also gives its measured ρ (full-group and trie nodes), learning-tax share, drift (cumulative KL at
 shared probe contexts) and rollout tokens (every row takes the same optimizer steps). Written to
 <out>/ablations.md, ablations.csv (table, label, G, seed, objective, metric, value) and
@@ -44,14 +44,16 @@ from analyses.common import (
     FIGURES,
     QUICK,
     ROOT,
+    fmt_diff,
     paired_table,
     per_seed,
     provenance,
     run_seeds,
     set_threads,
+    stamp,
     write_meta,
 )
-from gradlab.stats import paired_bootstrap
+from gradlab.stats import paired_interval
 
 # objective (as in the store) → row label; the first four come from the Figure 3 tandem
 TABLE2 = {"dfpo-min": "DFPO (Min-Replace)", "gspo": "GSPO (baseline)",
@@ -97,8 +99,8 @@ def table3(root: Path, fig3: Path, seeds, size: dict, eval_n: int, Gs):
              if c != "heldout_source"}
         row = {"G": G, "seeds": len(w["heldout_acc"])}
         for metric, col in (("heldout_acc", "held-out"), ("train_acc_last5", "train, last 5")):
-            d = paired_bootstrap(100 * w[metric]["dfpo-min"], 100 * w[metric]["gspo"])
-            row[f"DFPO − GSPO, {col} (points)"] = f"{d['mean']:+.1f} [{d['lo']:+.1f}, {d['hi']:+.1f}]"
+            d = paired_interval(100 * w[metric]["dfpo-min"], 100 * w[metric]["gspo"])
+            row[f"DFPO − GSPO, {col} (points)"] = fmt_diff(d)
         row.update({"GSPO ρ prefix": f"{w['rho_prefix']['gspo'].mean():.2g}",
                     "GSPO tax share": f"{w['tax_share']['gspo'].mean():.2g}",
                     "drift DFPO / GSPO (KL)": f"{w['probe_kl']['dfpo-min'].mean():.2g} / "
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.only in (None, "table2"):
         t2, l2, w2 = table2(runs / "table2", fig3, seeds, size, eval_n)
         src = ", ".join(sorted(set(w2["heldout_source"])))
-        md += ["### Table 2 (ablations): mean [95 % bootstrap] over seeds; difference to GSPO "
-               f"paired by seed [95 % paired bootstrap]; held-out source: {src}", "",
+        md += ["### Table 2 (ablations): mean [95 % t interval] over seeds; difference to GSPO "
+               f"paired by seed [95 % paired t interval], p (exact sign-flip); held-out source: {src}", "",
                t2.drop(columns="objective").to_markdown(index=False), ""]
         longs.append(l2)
     if a.only in (None, "table3"):
@@ -153,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.time() - t0
     md.append(f"{len(seeds)} seeds × {size['steps']} rollout steps × {size['prompts']} prompts, "
               f"{size['minibatches']} minibatches ({size['steps'] * size['minibatches']} optimizer "
-              f"steps per row), held-out n={eval_n}; {seconds:.0f} s; `{prov['command']}` at "
-              f"{prov['commit'][:10]}, {prov['threads']} thread(s).")
+              f"steps per row), held-out n={eval_n}; {seconds:.0f} s; {stamp(prov)}.")
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablations.md").write_text("\n".join(md) + "\n")
     cols = ["table", "label", "G", "seed", "objective", "metric", "value"]

@@ -35,25 +35,34 @@ def set_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
-def run_seeds(root: str | Path, seeds, **cfg) -> Path:
+def run_seeds(root: str | Path, seeds, ledger: list | None = None, reuse_any_code: bool = False,
+              **cfg) -> Path:
     """Train `RunConfig(out=root/seed{k}, seed=k, **cfg)` for each seed; returns root.
 
     A seed whose folder already holds a finished run of the same configuration (final
-    checkpoint at `steps`) is reused, one with a checkpoint is resumed, anything else (another
-    configuration, no checkpoint) is wiped and trained from scratch: the run store appends, so
-    a folder must never be trained into twice.
+    checkpoint at `steps`) *made by the current code* (gradlab.provenance.same_code) is reused,
+    one with a checkpoint of the current code is resumed, anything else (another
+    configuration, other or unrecorded code, no checkpoint) is wiped and trained from scratch:
+    the run store appends, so a folder must never be trained into twice. reuse_any_code=True
+    reuses a finished run whatever code made it (the ledger says so). `ledger`: a list that
+    gets one `gradlab.provenance.summary` row per seed (run, code hash, machine, reused).
     """
     from gradlab.loop.train import train
+    from gradlab.provenance import same_code, summary
 
     root = Path(root)
     for k in seeds:
         c = RunConfig(out=str(root / f"seed{k}"), seed=k, **cfg)
         state = _final_step(Path(c.out), c.objectives) if _same_config(c) else None
-        if state == c.steps:
-            continue
-        if state is None and Path(c.out).exists():
-            shutil.rmtree(c.out)
-        train(c, resume=state is not None)
+        if state is not None and not (reuse_any_code and state == c.steps) and not same_code(c.out):
+            state = None  # made by other code: its numbers are not this code's
+        reused = state == c.steps
+        if not reused:
+            if state is None and Path(c.out).exists():
+                shutil.rmtree(c.out)
+            train(c, resume=state is not None)
+        if ledger is not None:
+            ledger.append(summary(c.out, reused))
     return root
 
 
@@ -87,17 +96,23 @@ def load_seeds(root: str | Path) -> pd.DataFrame:
     return tidy[~tidy["metric"].str.startswith("time_")].reset_index(drop=True)
 
 
-def bootstrap_ci(x, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
-    """(mean, lo, hi): percentile bootstrap of the mean over the values x (e.g. one per seed).
-    With one value the interval is that value; with 3 seeds it is crude (say so in tables)."""
+def mean_ci(x, level: float = 0.95) -> tuple:
+    """(mean, lo, hi): Student-t interval of the mean of the finite values x (e.g. one per
+    seed; gradlab.stats.mean_interval). One value: the interval is that value; none: NaNs."""
+    from gradlab.stats import mean_interval
+
     x = np.asarray(x, dtype=float)
-    x = x[~np.isnan(x)]
+    x = x[np.isfinite(x)]
     if x.size == 0:
         return (np.nan, np.nan, np.nan)
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, (n_boot, x.size))].mean(1)
-    a = (1 - level) / 2
-    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+    r = mean_interval(x, level)
+    return r["mean"], r["lo"], r["hi"]
+
+
+def fmt_diff(r: dict, scale: float = 1.0) -> str:
+    """'+1.6 [−2.3, +5.2], p 0.43' from a gradlab.stats.paired_interval result."""
+    return (f"{scale * r['mean']:+.1f} [{scale * r['lo']:+.1f}, {scale * r['hi']:+.1f}], "
+            f"p {r['p']:.2g}")
 
 
 def fmt_ci(m: float, lo: float, hi: float, scale: float = 100.0) -> str:
@@ -132,21 +147,20 @@ def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 77
 
 
 def provenance(script: str, argv: list[str] | None) -> dict:
-    """What a committed figure's data must record: the commit (and whether the tree had
-    uncommitted changes), torch's intra-op thread count, and the command that made it."""
-    import subprocess
-
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
+    """What a committed figure's data must record: the code (hash of the package source,
+    commit, whether gradlab/ had uncommitted changes), the machine (CPU model, torch, intra-op
+    threads) and the command that made it (gradlab.provenance)."""
+    from gradlab.provenance import current
 
     args = sys.argv[1:] if argv is None else list(argv)
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "gradlab", "analyses")),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "command": " ".join(["python", f"analyses/{script}", *args])}
+    return {**current(), "command": " ".join(["python", f"analyses/{script}", *args])}
+
+
+def stamp(prov: dict) -> str:
+    """One line for a table's footnote: command, code hash, commit, CPU, torch, threads."""
+    commit = (prov.get("commit") or "no git")[:10] + (" + uncommitted" if prov.get("dirty") else "")
+    return (f"`{prov['command']}`, code {prov['code_hash']} (commit {commit}), "
+            f"{prov['cpu_model']}, torch {prov['torch']}, {prov['threads']} thread(s)")
 
 
 # ----------------------------------------------------------------------------- per-seed rows
@@ -199,10 +213,10 @@ def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5) -> pd.DataFra
 
 
 def paired_table(wide: pd.DataFrame, labels: dict, base: str = "gspo") -> pd.DataFrame:
-    """Markdown-ready rows per objective: accuracies as mean [95 % bootstrap] over seeds, the
-    paired difference to `base` (same seeds: same start, same prompts) with its 95 % paired
-    bootstrap interval (gradlab.stats.paired_bootstrap), and the MEASURED means."""
-    from gradlab.stats import paired_bootstrap
+    """Markdown-ready rows per objective: accuracies as mean [95 % t interval] over seeds, the
+    paired difference to `base` (same seeds: same start, same prompts) with its 95 % paired t
+    interval and p-value (gradlab.stats.paired_interval), and the MEASURED means."""
+    from gradlab.stats import paired_interval
 
     b = wide[wide["objective"] == base].set_index("seed")
     rows = []
@@ -210,12 +224,10 @@ def paired_table(wide: pd.DataFrame, labels: dict, base: str = "gspo") -> pd.Dat
         o = wide[wide["objective"] == n].set_index("seed").loc[b.index]
         row = {"variant": labels[n], "objective": n, "seeds": len(o)}
         for col, name in (("heldout_acc", "held-out"), ("train_acc_last5", "train, last 5")):
-            row[f"{name} acc. (%)"] = fmt_ci(*bootstrap_ci(o[col]))
-            if n != base:
-                d = paired_bootstrap(100 * o[col], 100 * b[col])
-                row[f"{name} − {base} (points)"] = f"{d['mean']:+.1f} [{d['lo']:+.1f}, {d['hi']:+.1f}]"
-            else:
-                row[f"{name} − {base} (points)"] = "—"
+            row[f"{name} acc. (%)"] = fmt_ci(*mean_ci(o[col]))
+            ok = n != base and len(o) >= 2
+            row[f"{name} − {base} (points)"] = fmt_diff(
+                paired_interval(100 * o[col], 100 * b[col])) if ok else "—"
         row.update({"ρ prefix": f"{o['rho_prefix'].mean():.2g}", "ρ trie": f"{o['rho_trie'].mean():.2g}",
                     "tax share": f"{o['tax_share'].mean():.2g}",
                     "drift (KL, nats)": f"{o['probe_kl'].mean():.2g}",

@@ -4,7 +4,7 @@ Trains the tandem loop once per seed (`gradlab.loop.train.train` → runs/figure
 objective starts from the same weights and sees the same prompt stream), reads the folders with
 `gradlab.load_run` (the tidy table: run, objective, seed, step, tokens, metric, value), puts each
 seed's curve on a common rollout-token grid (linear interpolation: seeds consume different
-token counts) and draws mean and 95 % bootstrap band over seeds with
+token counts) and draws mean and 95 % band over seeds with
 `gradlab.viz.curves.training_curves`:
 
   figure3.png              accuracy vs rollout tokens (the paper's Figure 3) and reward where it
@@ -18,8 +18,8 @@ token counts) and draws mean and 95 % bootstrap band over seeds with
                            the same number: the compute-matched axis), mean and 95 % band
   figure3.csv              the tidy table behind both: plotted metrics, raw (before interpolation)
   figure3.md, figure3.json per objective: held-out accuracy of the final policy and last-5-steps
-                           training accuracy, mean [95 % bootstrap] over seeds, the paired
-                           difference to GSPO [95 % paired bootstrap], measured ρ, tax share,
+                           training accuracy, mean [95 % t interval] over seeds, the paired
+                           difference to GSPO [95 % paired t interval, p], measured ρ, tax share,
                            drift and tokens (analyses.common.paired_table); provenance (commit,
                            threads, command), size, seconds.
 
@@ -53,6 +53,7 @@ from analyses.common import (
     provenance,
     run_seeds,
     set_threads,
+    stamp,
     write_meta,
 )
 from gradlab import viz as plots
@@ -111,7 +112,7 @@ def draw(tidy: pd.DataFrame, out: Path, minibatches: int, smooth: int = 1) -> No
                out / "figure3_diagnostics.png")
     diff = paired_curves(tidy, minibatches)
     title = ("paired by seed (same start, same prompts), at equal optimizer steps; "
-             "mean and 95 % bootstrap band over seeds")
+             "mean and 95 % band over seeds")
     plots.save(plots.training_curves(diff, [("accuracy − gspo", "training accuracy − GSPO's (points)"),
                                            ("tokens vs gspo", "rollout tokens consumed vs GSPO's (%)")],
                                      x="optimizer steps", smooth=max(smooth, 5), title=title),
@@ -167,12 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     table = paired_table(wide, LABELS)
     seconds = time.time() - t0
     src = ", ".join(sorted(set(wide["heldout_source"])))
-    md = [f"Mean [95 % bootstrap] over seeds; difference to GSPO paired by seed [95 % paired "
-          f"bootstrap]; held-out source: {src}", "", table.drop(columns="objective").to_markdown(index=False), "",
+    md = [f"Mean [95 % t interval] over seeds; difference to GSPO paired by seed [95 % paired "
+          f"t interval], p (exact sign-flip); held-out source: {src}", "", table.drop(columns="objective").to_markdown(index=False), "",
           f"{a.seeds} seeds × {size['steps']} rollout steps × {size['prompts']} prompts × "
           f"G={size['G']}, {size['minibatches']} minibatches ({size['steps'] * size['minibatches']} "
-          f"optimizer steps per objective); {seconds:.0f} s; `{prov['command']}` at "
-          f"{prov['commit'][:10]}, {prov['threads']} thread(s)."]
+          f"optimizer steps per objective); {seconds:.0f} s; {stamp(prov)}."]
     (out / "figure3.md").write_text("\n".join(md) + "\n")
     write_meta(out / "figure3.json", prov, size=size, seeds=a.seeds, eval_n=eval_n,
                seconds=round(seconds), runs=str(runs), table=table.to_dict("records"),

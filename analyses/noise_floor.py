@@ -14,7 +14,7 @@ seed for every objective: common random numbers). Reports
   - the twins' parting step (first rollout step whose rollout token count differs),
   - sd over seeds of the twin difference dfpo-min − dfpo-orth (the noise floor of a paired
     difference; one run's own spread is that / √2 when the twins are independent at the end),
-  - DFPO − GSPO with its paired 95 % bootstrap interval (`gradlab.stats.paired_bootstrap`),
+  - DFPO − GSPO with its paired 95 % t interval (`gradlab.stats.paired_interval`),
   - seeds needed for a paired 95 % interval narrower than `--width` points
     (`gradlab.stats.seeds_needed`), from the twins' sd and from DFPO − GSPO's own sd.
 Writes <out>/noise_floor.md, noise_floor.csv (seed, objective, metric, value, parted_at) and
@@ -48,7 +48,7 @@ from analyses.common import (
     run_seeds,
     set_threads,
 )
-from gradlab.stats import paired_bootstrap, seeds_needed
+from gradlab.stats import paired_interval, seeds_needed
 
 TWINS = ("dfpo-min", "dfpo-orth")
 OBJECTIVES = [*TWINS, "gspo"]
@@ -89,7 +89,7 @@ def summarise(long: pd.DataFrame, width: float) -> dict:
     for metric in METRICS:
         w = long[long["metric"] == metric].pivot(index="seed", columns="objective", values="value")
         twin = 100 * (w[TWINS[0]] - w[TWINS[1]])
-        gap = paired_bootstrap(100 * w["dfpo-min"], 100 * w["gspo"])
+        gap = paired_interval(100 * w["dfpo-min"], 100 * w["gspo"])
         sd_twin = float(twin.std(ddof=1))
         out[metric] = {
             "seeds": len(w), "twin_sd": sd_twin, "twin_mean": float(twin.mean()),
@@ -106,7 +106,7 @@ def summarise(long: pd.DataFrame, width: float) -> dict:
 
 def markdown(summary: dict, parted: list, size: dict, eval_n: int, seconds: float) -> str:
     lines = ["| metric | seeds | twin sd (min − orth) | one run's sd (twin sd/√2) | "
-             "DFPO − GSPO [95 % paired bootstrap] | sd of DFPO − GSPO | seeds for width < "
+             "DFPO − GSPO [95 % paired t interval] | sd of DFPO − GSPO | seeds for width < "
              f"{summary['train_acc_last5']['seeds_needed_width']:g} (twin sd / DFPO−GSPO sd) |",
              "|---|---|---|---|---|---|---|"]
     for metric, s in summary.items():

@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 
 import pandas as pd
 
-from analyses.common import FIGURES, provenance, set_threads
+from analyses.common import FIGURES, provenance, set_threads, stamp
 from gradlab.loop.variance import DEFAULT_OBJECTIVES, measure_variance
 from gradlab.viz.curves import save
 from gradlab.viz.variance import summary_table, variance_figure
@@ -65,7 +65,7 @@ def report(tidy: pd.DataFrame, K: int, R: int, prov: dict) -> str:
     """The markdown table of variance.md."""
     s = summary_table(tidy)
     lines = [f"# Gradient noise at a fixed policy (K = {K} batches, reference R = {R} batches)",
-             "", f"`{prov['command']}` (commit {prov['commit'][:10]}, {prov['threads']} thread(s))",
+             "", stamp(prov),
              "", f"Each batch: the same {prov.get('prompts', 8)} prompts × G = {prov.get('G', 8)} "
              f"responses in the `{prov.get('rollout', 'independent')}` layout "
              f"({LAYOUT_WORDS[prov.get('rollout', 'independent')]}), shipped warm start, on-policy. noise = tr Cov(g) / ⟨ḡ, g_ref⟩ per "

@@ -120,12 +120,15 @@ def test_noise_floor_quick(tmp_path):
     assert "twin sd" in (tmp_path / "noise_floor.md").read_text()
 
 
-def test_bootstrap_ci():
-    assert common.bootstrap_ci([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)
-    m, lo, hi = common.bootstrap_ci([0.1, 0.2, 0.6])
-    assert lo <= m <= hi and lo >= 0.1 and hi <= 0.6
-    assert np.isnan(common.bootstrap_ci([])[0])
+def test_mean_ci_is_a_t_interval():
+    assert common.mean_ci([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)
+    m, lo, hi = common.mean_ci([0.1, 0.2, 0.6, np.nan])  # NaN dropped: n = 3, t_{0.975, 2}
+    half = 4.302653 * np.std([0.1, 0.2, 0.6], ddof=1) / np.sqrt(3)
+    assert (m, lo, hi) == pytest.approx((0.3, 0.3 - half, 0.3 + half))
+    assert np.isnan(common.mean_ci([])[0])
     assert common.fmt_ci(0.5, 0.25, 0.75) == "50.0 [25.0, 75.0]"
+    r = {"mean": 1.0, "lo": -0.5, "hi": 2.5, "p": 0.1234}
+    assert common.fmt_diff(r) == "+1.0 [-0.5, +2.5], p 0.12"
 
 
 def test_align_tokens_interpolates_onto_a_common_grid():
