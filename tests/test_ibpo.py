@@ -374,3 +374,21 @@ def test_prepare_caches_the_token_advantages_and_follows_every_input():
     assert torch.equal(ib.prepare(b).advantages, objectives.get("ibpo[form=togo]").token_advantages(b))
     ib.form = "la"
     assert torch.equal(ib.prepare(b).advantages, objectives.get("ibpo[form=la]").token_advantages(b))
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 2.0])
+def test_la_weight_is_grpo_plus_a_dose_of_la(lam):
+    """ibpo[la_weight=λ] = ga + λ·la per token (against the two forms computed separately);
+    λ = 0 is form ga exactly (GRPO's update); W hook = closed form at every λ."""
+    b = _trie_batch(seed=7, off=0.3)
+    A = gradlab.process_advantages(b.tokens, b.mask, b.group, b.rewards, "ga+la", la_weight=lam)
+    assert torch.allclose(A, _pa(b, "ga") + lam * _pa(b, "la"), atol=1e-12, rtol=0)
+    ib = objectives.get(f"ibpo[la_weight={lam}]")
+    W, ref_W = ib.modulation(b), measure_modulation(ib.loss, b)
+    assert (W - ref_W).abs().max() <= 1e-12 * ref_W.abs().max()
+    if lam == 0.0:
+        assert torch.equal(W, objectives.get("ibpo[form=ga]").modulation(b))
+    with pytest.raises(ValueError, match="la_weight"):
+        objectives.get("ibpo[form=togo, la_weight=0.5]")
+    with pytest.raises(ValueError, match="la_weight"):
+        objectives.get("ibpo[la_weight=-1]")

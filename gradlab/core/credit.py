@@ -96,11 +96,12 @@ def branch_tokens(tokens: Tensor, mask: Tensor, group: Tensor) -> Tensor:
 
 
 def process_advantages(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor,
-                       form: str = "ga+la", reweight: str = "none") -> Tensor:
+                       form: str = "ga+la", reweight: str = "none", la_weight: float = 1.0) -> Tensor:
     """Trie token advantages (MATH.md §6a, *ours*), (B, T) in raw reward units, 0 where masked.
 
     form: "ga" (V(c) − V(root)), "la" (V(c) − V(p)), "ga+la", "togo" (R_i − V(p));
-    reweight: "none" or "sqrt" (÷ √|S_c|). With no token shared beyond the root, "ga" is
+    reweight: "none" or "sqrt" (÷ √|S_c|). la_weight λ (form "ga+la" only): ga + λ·la, so
+    λ = 0 is "ga" (GRPO's advantage) and λ = 1 the default. With no token shared beyond the root, "ga" is
     R_i − mean_g R on every token (GRPO's unscaled advantage), while "la" and "togo" put it on
     the first token only (a lone path's later nodes are their own baseline).
     """
@@ -108,12 +109,16 @@ def process_advantages(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Ten
         raise ValueError(f"process_advantages: unknown form={form!r}; valid: {FORMS}")
     if reweight not in REWEIGHTS:
         raise ValueError(f"process_advantages: unknown reweight={reweight!r}; valid: {REWEIGHTS}")
+    if la_weight != 1.0 and form != "ga+la":
+        raise ValueError(f"process_advantages: la_weight={la_weight} weighs the la term of form "
+                         f"'ga+la'; form={form!r} has none")
     _check_rows(tokens, mask, group, rewards, "process_advantages")
     tv = trie_values(tokens, mask, group, rewards)
     R = rewards.to(tv.node.dtype).unsqueeze(-1)  # (B, 1)
     v_root = tv.parent[:, :1]  # (B, 1): a row's first parent is its group's root
     A = {"ga": lambda: tv.node - v_root, "la": lambda: tv.node - tv.parent,
-         "ga+la": lambda: (tv.node - v_root) + (tv.node - tv.parent),
+         "ga+la": lambda: (tv.node - v_root) + (tv.node - tv.parent) * la_weight
+         if la_weight != 1.0 else (tv.node - v_root) + (tv.node - tv.parent),
          "togo": lambda: R - tv.parent}[form]()
     if reweight == "sqrt":
         A = A / tv.size.clamp(min=1).to(A.dtype).sqrt()

@@ -10,6 +10,8 @@ the token advantages, and that is what the probes read (c*_n, traces).
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from .batch import ADVANTAGE_SCALES, TokenBatch
@@ -23,6 +25,8 @@ class IBPO(Objective):
     form: "ga", "la", "ga+la" (default), "togo" — trie readings (6a); "repair" — the repair
       reading (6b), which needs `batch.repair_of` (repair rollouts, `--rollout repair`).
     reweight: "none" | "sqrt" (trie forms). lam: the repair mix λ ∈ [0, 1] (default 0.5).
+    la_weight: form "ga+la" only, A = ga + la_weight · la (default 1; 0 gives "ga", i.e. GRPO's
+      advantage on every token): the dose of the local term, for asking whether it carries a gain.
     base: "grpo" (token ratio, PPO clip, `norm` and `max_len` as GRPO) or "gspo" (GSPO-token:
       sequence ratio, per-token credit kept). eps: the base's clip range (its default if None).
     scale: advantages divided like `gradlab.advantages` — "group" (the default), "batch",
@@ -33,7 +37,7 @@ class IBPO(Objective):
 
     def __init__(self, form: str = "ga+la", reweight: str = "none", lam: float = 0.5,
                  base: str = "grpo", eps=None, norm: str = "token", max_len: int | None = None,
-                 scale: str | None = None, beta: float = 0.0) -> None:
+                 scale: str | None = None, beta: float = 0.0, la_weight: float = 1.0) -> None:
         super().__init__(beta)
         for arg, val, valid in (("form", form, FORMS + ("repair",)),
                                 ("reweight", reweight, REWEIGHTS), ("base", base, ("grpo", "gspo")),
@@ -44,12 +48,17 @@ class IBPO(Objective):
             raise ValueError(f"ibpo: unknown scale={scale!r}; valid: {ADVANTAGE_SCALES}")
         if not 0.0 <= float(lam) <= 1.0:
             raise ValueError(f"ibpo: lam must be in [0, 1], got {lam}")
+        if not (math.isfinite(float(la_weight)) and float(la_weight) >= 0):
+            raise ValueError(f"ibpo: la_weight must be a finite number ≥ 0, got {la_weight}")
+        if float(la_weight) != 1.0 and form != "ga+la":
+            raise ValueError(f"ibpo: la_weight weighs the la term of form 'ga+la'; form={form!r}")
         if base == "gspo" and (norm != "token" or max_len is not None):
             raise ValueError("ibpo: norm and max_len belong to base='grpo' (GSPO-token "
                              "normalises per sequence)")
         kw = {} if eps is None else {"eps": eps}
         self.base = GRPO(norm=norm, max_len=max_len, **kw) if base == "grpo" else GSPOToken(**kw)
         self.form, self.reweight, self.lam, self.scale = form, reweight, float(lam), scale
+        self.la_weight = float(la_weight)
         self._cache = None  # (key, the tensors it was made from, A (B, T))
 
     def token_advantages(self, batch: TokenBatch) -> Tensor:
@@ -64,7 +73,8 @@ class IBPO(Objective):
                                  "has none: train on repair rollouts (--rollout repair)")
             A = repair_advantages(*args, batch.repair_of, self.lam)
         else:
-            A = process_advantages(*args, form=self.form, reweight=self.reweight)
+            A = process_advantages(*args, form=self.form, reweight=self.reweight,
+                                   la_weight=self.la_weight)
         div = reward_scale(batch.rewards, batch.group, self.scale or "group").to(A.dtype)
         return A / div.unsqueeze(-1)
 
@@ -73,7 +83,7 @@ class IBPO(Objective):
         # batches that differ only in logps; A depends on tokens, mask, group, rewards, repair_of.
         parts = (batch.tokens, batch.mask, batch.group, batch.rewards, batch.repair_of)
         key = (tuple(None if x is None else x._version for x in parts),
-               self.form, self.reweight, self.lam, self.scale)
+               self.form, self.reweight, self.lam, self.scale, self.la_weight)
         if self._cache is None or self._cache[0] != key or any(
                 a is not b for a, b in zip(self._cache[1], parts)):
             self._cache = (key, parts, self.token_advantages(batch))

@@ -88,6 +88,12 @@ class ArithmeticTask:
         return f"arithmetic-d{self.difficulty}" + ("" if self.strict else "-outcome")
 
     @property
+    def exact_answers(self) -> bool:
+        """True when the verifier accepts exactly `solutions(problem)` (strict): a policy's
+        expected accuracy is then a sum of sequence probabilities (loop/evaluation.py)."""
+        return self.strict
+
+    @property
     def max_new_tokens(self) -> int:
         """Enough response tokens for "so a+b=c" plus EOS, with a little slack."""
         return 3 + 2 * self.difficulty + 1 + (self.difficulty + 1) + 1 + 2
@@ -338,6 +344,7 @@ class ScaffoldTask:
 
     name = "scaffold"
     preamble = SCAFFOLD_PREAMBLE
+    exact_answers = True  # the verifier accepts exactly `solutions(problem)` (loop/evaluation.py)
 
     def __init__(self, max_terms: int = 4, seed: int = 0):
         if not 2 <= max_terms <= 6:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..core import objectives
 from ..core.batch import advantages
+from ..provenance import record as record_provenance
 from .config import ConfigError, RunConfig
 from .dist import Dist, setup, unwrap
 from .fsdp import full_checkpoint, gathered, rebuild_optimizer
@@ -165,6 +166,8 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     learners = make_learners(cfg, model, trained)
     del model
     start = restore(store, learners, D) if resume else 0  # loop/resume.py
+    if D.main:  # the code, machine and thread count of this segment (gradlab/provenance.py)
+        record_provenance(store.path, start)
     if 0 < start < cfg.steps and cfg.eval_every and start % cfg.eval_every and D.main:
         # the shorter run evaluated at its end (step start-1); an uninterrupted run of this
         # length does not evaluate there, so neither does the resumed one: resume stays exact

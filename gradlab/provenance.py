@@ -1,0 +1,127 @@
+"""What made a run: the code, the machine and the numerics settings.
+
+A run's numbers are bitwise reproducible only on the same CPU model with the same torch build
+and thread count (floating-point reduction order differs between kernels and vectorisation
+widths), and only with the same code. Every run folder therefore carries `provenance.json`:
+
+    {"segments": [{"start_step": 0, "code_hash": "…", "commit": "…", "dirty": false,
+                   "cpu_model": "…", "torch": "2.13.0+cpu", "threads": 1, …}, …]}
+
+one segment per process that trained into the folder (a resume adds one). `code_hash` is a
+SHA-256 over the installed package's source and shipped data (every file under gradlab/ except
+caches), so it identifies the code even outside a git checkout; `commit` and `dirty` are added
+when the package sits in a git work tree. The analyses reuse a stored run only when every
+segment's code hash equals the current one (`same_code`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+FILE = "provenance.json"
+
+
+@lru_cache(maxsize=1)
+def code_hash() -> str:
+    """First 16 hex digits of SHA-256 over (relative path, bytes) of every package file."""
+    h = hashlib.sha256()
+    for p in sorted(PACKAGE.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
+            h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
+            h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(PACKAGE.parent), *args], capture_output=True,
+                           text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+@lru_cache(maxsize=1)
+def git_state() -> dict:
+    """{"commit", "dirty"} of the checkout the package sits in (None, None outside git)."""
+    if _git("rev-parse", "--show-toplevel") is None:
+        return {"commit": None, "dirty": None}
+    status = _git("status", "--porcelain", "--", "gradlab")
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else the platform's word for it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """CPU model, cores, OS, Python, torch (and its intra-op threads) and transformers."""
+    import torch
+    import transformers
+
+    return {"cpu_model": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "transformers": transformers.__version__,
+            "cuda": torch.version.cuda if torch.cuda.is_available() else None}
+
+
+def current() -> dict:
+    """The code hash, git state and machine of this process, with a UTC time stamp."""
+    from . import __version__
+
+    return {"code_hash": code_hash(), **git_state(), "gradlab": __version__, **machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def record(run: str | Path, start_step: int) -> dict:
+    """Append this process's segment (training from `start_step`) to run/provenance.json."""
+    from .loop.atomic import write_file
+
+    seg = {"start_step": int(start_step), **current()}
+    old = read(run) or {"segments": []}
+    old["segments"] = [s for s in old["segments"] if s.get("start_step", 0) < start_step] + [seg]
+    write_file(Path(run) / FILE, json.dumps(old, indent=1) + "\n")
+    return seg
+
+
+def read(run: str | Path) -> dict | None:
+    """run/provenance.json, or None for a run made before runs recorded it."""
+    f = Path(run) / FILE
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"{f}: corrupt provenance ({e})") from None
+
+
+def same_code(run: str | Path) -> bool:
+    """True iff every segment of the run was trained by the current package source."""
+    p = read(run)
+    return bool(p and p["segments"]) and all(s.get("code_hash") == code_hash() for s in p["segments"])
+
+
+def summary(run: str | Path, reused: bool) -> dict:
+    """One row for a figure's provenance list: run, code hashes, commit, machine, reused."""
+    segs = (read(run) or {}).get("segments", [])
+    last = segs[-1] if segs else {}
+    return {"run": str(run), "code_hash": ",".join(dict.fromkeys(s.get("code_hash", "?") for s in segs)) or None,
+            "commit": last.get("commit"), "dirty": last.get("dirty"),
+            "cpu_model": last.get("cpu_model"), "torch": last.get("torch"),
+            "threads": last.get("threads"), "reused": reused,
+            "current_code": bool(segs) and all(s.get("code_hash") == code_hash() for s in segs)}
