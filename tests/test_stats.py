@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from scipy import stats as sps
 
 from gradlab.stats import (

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .heldout import _draw, eval_problems, heldout_prompts
+from .heldout import _draw, eval_problems, heldout_prompts, is_heldout
 from .logprobs import token_logps
 from .policy import encode_pairs, load_policy
 from .rollout import generate
@@ -39,11 +39,26 @@ _DRAW_SALT = 1_000_033  # eval seed s > 0 → held-out problem stream s · salt
 _NOISE_SALT = 55_555_333  # eval seed → hashed sampling noise
 
 
-def heldout_draw(task, n: int, seed: int = 0) -> list:
+def heldout_split(task) -> list:
+    """Every held-out problem of a task whose space can be listed (`task.all_problems()`: the
+    built-in tasks) or of a finite (JSONL) task; ValueError otherwise."""
+    held = heldout_prompts(task)
+    if held is not None:
+        return [p for p in task.problems(len(task), seed=0) if p.prompt in held]
+    if not hasattr(task, "all_problems"):
+        raise ValueError(f"{type(task).__name__}: its problem space cannot be listed; give "
+                         "--problems a number")
+    return [p for p in task.all_problems() if is_heldout(p.prompt)]
+
+
+def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     """N distinct held-out problems: seed 0 the loop's evaluation set, seed s > 0 another draw
-    (fewer than N when a finite task's held-out split is smaller)."""
-    if n < 1:
-        raise ValueError(f"--problems must be ≥ 1, got {n}")
+    (fewer than N when a finite task's held-out split is smaller); n = "all": the whole
+    held-out split (`heldout_split`, the same for every seed)."""
+    if n == "all":
+        return heldout_split(task)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"--problems must be a number ≥ 1 or 'all', got {n!r}")
     if seed == 0:
         return eval_problems(task, n)
     held = heldout_prompts(task)
@@ -94,7 +109,7 @@ def sampled_accuracy(model, tok, task, problems: list, samples: int, temperature
     return ok.reshape(len(problems), k).mean(1)
 
 
-def evaluate_policy(model, tok, task, problems: int = 256, samples: int = 1, seed: int = 0,
+def evaluate_policy(model, tok, task, problems: int | str = 256, samples: int = 1, seed: int = 0,
                     temperature: float = 1.0) -> pd.DataFrame:
     """Tidy scores of one policy: columns metric, value, se (standard error over problems),
     n_problems, samples, eval_seed, temperature. Accuracies in 0..1; `accuracy_expected` only
@@ -172,7 +187,7 @@ def _json(path: Path) -> dict:
         raise ValueError(f"{path}: not readable JSON ({e})") from None
 
 
-def evaluate_path(path: str | Path, problems: int = 256, samples: int = 1, seed: int = 0,
+def evaluate_path(path: str | Path, problems: int | str = 256, samples: int = 1, seed: int = 0,
                   objective: str | None = None, task: str | None = None,
                   temperature: float = 1.0) -> pd.DataFrame:
     """`evaluate_policy` for every policy `policies(path, ...)` yields; a `policy` column."""

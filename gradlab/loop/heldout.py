@@ -20,6 +20,7 @@ import hashlib
 
 import torch
 
+from .precision import autocast
 from .rollout import generate
 
 EVAL_BUCKETS = 8  # 1 in 8 of the problem space is held out
@@ -101,7 +102,10 @@ def eval_problems(task, size: int) -> list:
 def evaluate_heldout(model, tok, task, problems: list, temperature: float, max_new_tokens: int,
                      seed: int, amp: bool = False) -> dict:
     """Accuracy on `problems`, one response each: `eval_accuracy` sampled at `temperature`
-    (noise hashed from (seed, row): the same at every call), `eval_accuracy_greedy` (argmax)."""
+    (noise hashed from (seed, row): the same at every call), `eval_accuracy_greedy` (argmax),
+    and, where the verifier accepts a known list of strings (`task.exact_answers`),
+    `eval_accuracy_expected`: the exact probability that one sample is correct, averaged over
+    the problems (no sampling noise; loop/evaluation.py)."""
     if not problems:
         return {}
     out = {}
@@ -111,4 +115,10 @@ def evaluate_heldout(model, tok, task, problems: list, temperature: float, max_n
         ro = generate(model, tok, problems, 1, max_new_tokens, temp, amp=amp, task=task,
                       row_keys=keys.to(dev))
         out[name] = sum(task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)) / len(problems)
+    if getattr(task, "exact_answers", False):
+        from .evaluation import expected_accuracy  # evaluation imports this module
+
+        with autocast(dev, amp):
+            out["eval_accuracy_expected"] = float(
+                expected_accuracy(model, tok, task, problems, temperature).mean())
     return out

@@ -116,6 +116,15 @@ class ArithmeticTask:
                 out.append(self.make_problem(a, b))
         return out
 
+    def all_problems(self) -> list[Problem]:
+        """Every problem of the task's space (a ≠ b), in operand order; ValueError beyond 10^6."""
+        lo = 0 if self.difficulty == 1 else 10 ** (self.difficulty - 1)
+        hi = 10**self.difficulty - 1
+        if (hi - lo + 1) ** 2 > 10**6:
+            raise ValueError(f"arithmetic difficulty {self.difficulty}: too many problems to list")
+        return [self.make_problem(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
+                if a != b]
+
     extract_answer = staticmethod(extract_answer)
 
     def is_well_formed(self, response: str) -> bool:
@@ -376,6 +385,13 @@ class ScaffoldTask:
             if terms[0] != terms[-1]:  # a palindrome would make the two forms identical
                 out.append(self.make_problem(terms))
         return out
+
+    def all_problems(self) -> list[Problem]:
+        """Every problem of the task's space (2..max_terms digits 1-9, first ≠ last)."""
+        from itertools import product
+
+        return [self.make_problem(list(t)) for k in range(2, self.max_terms + 1)
+                for t in product(range(1, 10), repeat=k) if t[0] != t[-1]]
 
     extract_answer = staticmethod(extract_answer)
 

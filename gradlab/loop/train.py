@@ -42,7 +42,7 @@ from .store import RunStore
 from .task import BUILTIN_TASKS, check_encodable, get_task
 from .traces import TraceWriter
 
-EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "time_eval")
+EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected", "time_eval")
 
 
 @dataclass
