@@ -108,6 +108,12 @@ def test_two_processes_equal_one(runs, case):
     masks = [int(wa[f"{k}/mask"].sum()) for k in sorted({int(k.split("/")[0]) for k in wa})]
     assert list(sb["tokens"]) == list(np.cumsum(masks))
     assert {"mass_prefix", "residual_prefix", "residual_prefix_step"} <= set(sa.columns)
+    # the token traces (what gradlab view shows) carry the same W
+    ta, tb = (gradlab.load_traces(r / "store").sort_values(["step", "group", "row", "position"])
+              for r in (one, two))
+    assert len(ta) == len(tb) > 0
+    np.testing.assert_array_equal(ta["token_id"].to_numpy(), tb["token_id"].to_numpy())
+    np.testing.assert_allclose(tb["W"], ta["W"], rtol=RTOL, atol=RTOL * ta["W"].abs().max())
     la, lb = gradlab_logs(one / "log.json"), gradlab_logs(two / "log.json")
     assert len(la) == len(lb) > 0
     for ha, hb in zip(la, lb):

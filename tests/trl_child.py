@@ -17,6 +17,7 @@ Rank 0 writes OUT/<case>/: the run store (store/), the windows' W, mask and toke
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -74,20 +75,16 @@ def keyed_completions(tr, prompt_ids: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def layout_free_order(d: dict) -> dict:
+def layout_free_order(d: dict, rank: int, spg: int) -> dict:
     """Stand-in for TRL's shuffle: loss call k takes, on every layout, the global rows that the
     k-th loss call of LAYOUT processes takes (each of those processes in row order)."""
     rows = d[ROW_KEY]
-    n = rows.numel()
-    glob = _RANK[0] * n + rows.cpu()
-    spg = _SPG[0]
+    glob = rank * rows.numel() + rows.cpu()  # processes hold consecutive blocks of rows
     call = (glob % (ROWS // LAYOUT)) // (ROWS // (LAYOUT * spg))
     perm = torch.argsort(call * ROWS + glob)
     return {k: (v[perm.to(v.device)] if isinstance(v, torch.Tensor) and v.ndim else
                 [v[i] for i in perm.tolist()] if isinstance(v, list) else v) for k, v in d.items()}
 
-
-_RANK, _SPG = [0], [1]
 
 
 class KeyedTrainer(GradlabGRPOTrainer):
@@ -98,7 +95,9 @@ class KeyedTrainer(GradlabGRPOTrainer):
         return keyed_completions(self, prompt_ids), None
 
     def _prepare_inputs(self, generation_batch):
-        with mock.patch.object(_grpo_module, "shuffle_sequence_dict", layout_free_order):
+        order = functools.partial(layout_free_order, rank=self.accelerator.process_index,
+                                  spg=self.args.steps_per_generation)
+        with mock.patch.object(_grpo_module, "shuffle_sequence_dict", order):
             return super()._prepare_inputs(generation_batch)
 
 
@@ -113,7 +112,6 @@ def run_case(name: str, out: Path, resume: int | None) -> None:
     cfg = GradlabConfig(store=str(d / "store"), keep_windows=True, resume=resume is not None,
                         **gl)
     tr = make_trainer(args, WORKLOADS["arithmetic"], cfg, cls=KeyedTrainer)
-    _RANK[0], _SPG[0] = tr.accelerator.process_index, spg
     ckpt = None if resume is None else str(d / "trl" / f"checkpoint-{resume}")
     tr.train(resume_from_checkpoint=ckpt)
     if not tr.accelerator.is_main_process:
