@@ -140,3 +140,30 @@ def test_resume_on_two_processes(runs, tmp_path):
     wb = load_file(tmp_path / "dapo" / "resumed_windows.safetensors")
     assert sorted({k.split("/")[0] for k in wb}) == ["2"]  # only the window after the checkpoint
     same_windows(wa, wb, only={"2"})
+
+
+def main() -> None:
+    """`python tests/test_trl_multiprocess.py`: run both layouts and print the agreement (max
+    relative difference, one vs two processes) of W, each store metric and the update."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        one, two = Path(tmp) / "one", Path(tmp) / "two"
+        _launch(one, 1)
+        _launch(two, 2)
+        w0 = initial_weights()
+        for case in CASES:
+            a, b = one / case, two / case
+            dw = same_windows(load_file(a / "windows.safetensors"),
+                              load_file(b / "windows.safetensors"))
+            ds = same_store(gradlab.load_run(a / "store", wide=True),
+                            gradlab.load_run(b / "store", wide=True))
+            ma, mb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+            da, db = (np.concatenate([(m[k] - w0[k]).flatten().numpy() for k in w0])
+                      for m in (ma, mb))
+            print(f"{case}: W {max(dw.values()):.1e}, update {rel_diff(da, db):.1e}, metrics:")
+            print("  " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(ds.items())))
+
+
+if __name__ == "__main__":
+    main()
