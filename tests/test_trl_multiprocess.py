@@ -24,7 +24,7 @@ import gradlab  # noqa: E402
 
 CHILD = str(Path(__file__).with_name("trl_child.py"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-CASES = ("dapo", "grpo_accum", "dapo_offpolicy", "dfpo", "ibpo")
+CASES = ("dapo", "grpo_accum", "dapo_offpolicy", "dfpo", "ibpo", "ibpo_split")
 RTOL = 1e-4  # as tests/test_ddp.py: float rounding of the gradient all-reduce and padding
 
 

@@ -2,8 +2,8 @@
 process) or `torchrun --nproc_per_node=2 tests/trl_child.py OUT` (two, gloo on CPU).
 
 Each case trains a `GradlabGRPOTrainer` on the shipped tiny policy, 4 prompts × G = 8 per
-generation batch, with the same global batch on any number of processes: per-device batch
-32 / (processes × steps_per_generation). Two things make the runs layout-free, so one and two
+generation batch (3 in `ibpo_split`, where a group straddles the two processes), with the same
+global batch on any number of processes: per-device batch rows / (processes × steps_per_generation). Two things make the runs layout-free, so one and two
 processes train on identical completions:
 - sampling: Gumbel-max on the policy's logits with noise keyed on (optimizer step at generation,
   global row, position) instead of TRL's generate (whose RNG stream depends on the rank);
@@ -33,17 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gradlab.integrations.trl import ROW_KEY, GradlabConfig, GradlabGRPOTrainer  # noqa: E402
 from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet  # noqa: E402
 
-ROWS = 32  # global generation batch: 4 prompts × G = 8
+G = 8
 LAYOUT = 2  # the loss-call split is the one two processes make
 LR = 0.1  # plain SGD: the update is the gradient itself (Adam would hide its scale)
 
-# name: (loss_type, steps_per_generation, gradient_accumulation_steps, optimizer steps, gradlab)
+IBPO = {"loss": "ibpo[form=togo,reweight=sqrt]"}
+# name: (loss_type, steps_per_generation, gradient_accumulation_steps, optimizer steps, prompts,
+#        gradlab)
 CASES = {
-    "dapo": ("dapo", 1, 1, 3, {}),
-    "grpo_accum": ("grpo", 2, 2, 2, {}),  # 2 loss calls accumulated into 1 optimizer step
-    "dapo_offpolicy": ("dapo", 2, 1, 4, {}),  # 2 optimizer steps per generation batch
-    "dfpo": ("grpo", 1, 1, 2, {"dfpo": "orth"}),
-    "ibpo": ("dapo", 1, 1, 2, {"loss": "ibpo[form=togo,reweight=sqrt]"}),
+    "dapo": ("dapo", 1, 1, 3, 4, {}),
+    "grpo_accum": ("grpo", 2, 2, 2, 4, {}),  # 2 loss calls accumulated into 1 optimizer step
+    "dapo_offpolicy": ("dapo", 2, 1, 4, 4, {}),  # 2 optimizer steps per generation batch
+    "dfpo": ("grpo", 1, 1, 2, 4, {"dfpo": "orth"}),
+    "ibpo": ("dapo", 1, 1, 2, 4, IBPO),
+    "ibpo_split": ("grpo", 1, 1, 2, 3, IBPO),  # 24 rows: group 1 is rows 8-15, on both processes
 }
 
 
@@ -75,13 +78,13 @@ def keyed_completions(tr, prompt_ids: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def layout_free_order(d: dict, rank: int, spg: int) -> dict:
+def layout_free_order(d: dict, rank: int, spg: int, rows_all: int) -> dict:
     """Stand-in for TRL's shuffle: loss call k takes, on every layout, the global rows that the
     k-th loss call of LAYOUT processes takes (each of those processes in row order)."""
     rows = d[ROW_KEY]
     glob = rank * rows.numel() + rows.cpu()  # processes hold consecutive blocks of rows
-    call = (glob % (ROWS // LAYOUT)) // (ROWS // (LAYOUT * spg))
-    perm = torch.argsort(call * ROWS + glob)
+    call = (glob % (rows_all // LAYOUT)) // (rows_all // (LAYOUT * spg))
+    perm = torch.argsort(call * rows_all + glob)
     return {k: (v[perm.to(v.device)] if isinstance(v, torch.Tensor) and v.ndim else
                 [v[i] for i in perm.tolist()] if isinstance(v, list) else v) for k, v in d.items()}
 
@@ -96,17 +99,18 @@ class KeyedTrainer(GradlabGRPOTrainer):
 
     def _prepare_inputs(self, generation_batch):
         order = functools.partial(layout_free_order, rank=self.accelerator.process_index,
-                                  spg=self.args.steps_per_generation)
+                                  spg=self.args.steps_per_generation,
+                                  rows_all=self.args.generation_batch_size)
         with mock.patch.object(_grpo_module, "shuffle_sequence_dict", order):
             return super()._prepare_inputs(generation_batch)
 
 
 def run_case(name: str, out: Path, resume: int | None) -> None:
-    loss_type, spg, accum, steps, gl = CASES[name]
+    loss_type, spg, accum, steps, prompts, gl = CASES[name]
     P = int(os.environ.get("WORLD_SIZE", "1"))
     d = out / name
     args = grpo_args(loss_type, "token", spg, steps, str(d / "trl"),
-                     per_device_train_batch_size=ROWS // (P * spg),
+                     per_device_train_batch_size=prompts * G // (P * spg), prompts=prompts,
                      gradient_accumulation_steps=accum, logging_steps=1, optim="sgd", lr=LR,
                      save_strategy="steps" if name == "dapo" else "no", save_steps=2)
     cfg = GradlabConfig(store=str(d / "store"), keep_windows=True, resume=resume is not None,
