@@ -26,7 +26,12 @@ is a multiple of num_generations; a group cut anyway (e.g. across processes) rai
 IBPO: `GradlabConfig(loss="ibpo[form=togo]")` replaces TRL's (B,) advantages of each training
 generation batch by (B, T) IBPO token advantages from the rewards TRL computed (captured from
 `_calculate_rewards`) and the completion ids, per reconstructed group (`trl_ibpo`); TRL's own
-`_compute_loss` runs on them and the hook measures its W. One process; not with DFPO.
+`_compute_loss` runs on them and the hook measures its W. Not with DFPO.
+
+Several processes (torchrun, accelerate; DDP): the hook reads each process's loss before the
+gradients are averaged, so W is divided by the process count (the gradient of the global
+objective, equal to one process's on the same completions); windows are gathered over processes,
+token counts are global, and rank 0 writes the store.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from ..core.nodes import NODE_KINDS
 from ..loop.store import RunStore
 from ..loop.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
-from .trl_ibpo import IBPOLoss, check_trainer, parse_loss, trainer_advantages
+from .trl_ibpo import IBPOLoss, check_trainer, local_advantages, parse_loss
 from .trl_resume import ResumeMixin, open_store
 from .trl_window import (  # noqa: F401  (public here too)
     GROUP_KEY,
@@ -185,12 +190,12 @@ class GradlabMixin(ResumeMixin):
             out[GROUP_KEY] = group
             mask = _loss_mask(out)
             if self.gradlab.loss is not None:
-                A = trainer_advantages(self, self._gl_rewards, cids, mask, group)
+                A = local_advantages(self, self._gl_rewards, out, mask, group)
                 out["advantages"] = A.to(out["advantages"].dtype)
             self._gl_gen = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
                             "tokens": cids, "mask": mask, "advantages": out["advantages"],
                             "group": group}
-            self._gl_tokens += int(mask.sum())
+            self._gl_tokens += int(self.accelerator.gather(mask.sum()).sum())  # all processes
         return out
 
     def _prepare_inputs(self, generation_batch):
@@ -271,9 +276,14 @@ class GradlabMixin(ResumeMixin):
         h = part.pop("hooks")
         h.close()
         dfpo = isinstance(h, DFPOGradientTransform)
-        part["W"], part["W_base"] = (h.W_tilde, h.W) if dfpo else (h.W, None)
-        if part["W"] is None:  # no backward reached the log-probs (e.g. an all-masked batch)
-            part["W"] = torch.zeros_like(part["logps"])
+        W, W_base = (h.W_tilde, h.W) if dfpo else (h.W, None)
+        # The hook reads this process's loss before the gradients are averaged over the P
+        # processes (DDP, FSDP and DeepSpeed all take the mean): the global objective's W is 1/P
+        # of it. TRL scales each loss for that mean (dapo divides by the global token count / P),
+        # so W / P is what one process computes on the same completions.
+        P = self.accelerator.num_processes
+        part["W"] = torch.zeros_like(part["logps"]) if W is None else W / P  # None: no backward
+        part["W_base"] = None if W_base is None else W_base / P
 
     # --- per window --------------------------------------------------------------------
     def _gl_close_window(self) -> None:
@@ -327,8 +337,8 @@ class GradlabMixin(ResumeMixin):
                       index=k, iteration=k % self.num_iterations)
 
     def _gl_gather(self, t: dict, gen: dict) -> dict:
-        """Data parallelism: rows of all processes, rank-major (= the global sampler order);
-        groups reconstructed on the gathered prompts. Untested here (single process)."""
+        """Data parallelism: rows of all processes, rank-major (= the global sampler order),
+        padded to the longest completion; groups reconstructed on the gathered prompts."""
         acc = self.accelerator
 
         def g(v: Tensor, left: bool = False) -> Tensor:

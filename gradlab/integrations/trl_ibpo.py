@@ -8,6 +8,8 @@ TRL's `_compute_loss` takes (B, T) advantages as they are, so the loss that runs
 | togo, reweight none | sqrt, scale group | batch | none (default: TRL's `scale_rewards`, whose
 divisor is gradlab's `reward_scale` with TRL's eps 1e-4). The repair form needs repair rollouts,
 which TRL does not make; base, eps and norm belong to TRL's loss (`loss_type`, `epsilon`).
+Under several processes a group's completions may sit on different processes: the advantages are
+computed on the generation batch gathered from all of them, and each keeps its own rows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 from ..core import variants
 from ..core.batch import ADVANTAGE_SCALES
 from ..core.credit import FORMS, REWEIGHTS, process_advantages, reward_scale
+from .trl_window import reconstruct_groups
 
 TRL_EPS = 1e-4  # TRL's (R − mean) / (std + 1e-4)
 
@@ -65,13 +68,33 @@ def parse_loss(spec: str) -> IBPOLoss:
 
 def check_trainer(trainer, loss: str) -> None:
     """Refuse trainer settings IBPO cannot serve (one-line errors naming them)."""
-    if trainer.accelerator.num_processes > 1:
-        raise ValueError(f"gradlab loss={loss!r}: one process only (a group's completions are "
-                         "spread over processes, the trie needs them all)")
     if trainer.multi_objective_aggregation != "sum_then_normalize":
         raise ValueError(f"gradlab loss={loss!r}: multi_objective_aggregation="
                          f"{trainer.multi_objective_aggregation!r}; IBPO reads the summed "
                          "rewards: use 'sum_then_normalize'")
+
+
+def local_advantages(trainer, per_func: Tensor, out: dict, mask: Tensor, group: Tensor) -> Tensor:
+    """(B, T) IBPO token advantages of this process's rows of a generation batch.
+
+    per_func (B_all, n_funcs): TRL's rewards of every process's rows (rank-major, as TRL gathers
+    them); out: TRL's batch of this process (completion_ids (B, T), prompt_ids / prompt_mask,
+    left-padded); mask (B, T) bool; group (B,) local labels. With several processes the trie of
+    a group needs all its completions: ids, masks and prompts are gathered (padded to the
+    longest), the advantages computed on the whole batch, and this process's block returned."""
+    acc, tok = trainer.accelerator, out["completion_ids"]
+    if acc.num_processes == 1:
+        return trainer_advantages(trainer, per_func, tok, mask, group)
+
+    def g(v: Tensor, left: bool = False) -> Tensor:
+        return acc.gather(acc.pad_across_processes(v.long(), dim=1, pad_first=left))
+
+    groups = reconstruct_groups(g(out["prompt_ids"], True), g(out["prompt_mask"], True),
+                                trainer.num_generations)
+    A = trainer_advantages(trainer, per_func, g(tok), g(mask).bool(), groups)
+    B, T = tok.shape
+    r = acc.process_index
+    return A[r * B:(r + 1) * B, :T]  # columns past T: this process's padding (A = 0 there)
 
 
 def trainer_advantages(trainer, per_func: Tensor, tokens: Tensor, mask: Tensor,

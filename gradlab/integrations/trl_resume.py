@@ -2,8 +2,9 @@
 
 TRL restarts its micro-step counter at 0 on `train(resume_from_checkpoint=...)`, so without
 this the run store's `step` (window index) and `tokens` would restart at 0. Each checkpoint
-gets `gradlab_state.<rank>.json` (tokens generated on that process, windows begun); loading the
-checkpoint restores them and drops store rows written after it (a crash after the checkpoint).
+gets `gradlab_state.<rank>.json` (loss tokens of all processes, windows begun; the same on every
+process); loading the checkpoint restores them and drops store rows written after it (a crash
+after the checkpoint).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ResumeMixin:
         spg = self.args.steps_per_generation
         state = {"tokens": self._gl_tokens, "global_step": self.state.global_step,
                  "windows": self._gl_win0 + -(-self._step // spg)}  # windows begun so far
-        rank = self.accelerator.process_index  # tokens are counted per process
+        rank = self.accelerator.process_index  # every process writes its own (same) counters
         with open(os.path.join(d, f"gradlab_state.{rank}.json"), "w") as f:
             json.dump(state, f)
 
