@@ -42,6 +42,7 @@ if __package__ in (None, ""):
 
 import pandas as pd
 
+from analyses import comparisons
 from analyses.common import (
     FIGURES,
     QUICK,
@@ -119,9 +120,33 @@ def draw(tidy: pd.DataFrame, out: Path, minibatches: int, smooth: int = 1) -> No
                out / "figure3_paired.png")
 
 
-def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1) -> pd.DataFrame:
+EXPERIMENT = "figure3"
+# declared before the runs: the paper's claim, DFPO above GSPO at the same updates
+PRIMARY = [("dfpo-min", "gspo"), ("dfpo-orth", "gspo")]
+
+
+def publish(wide: pd.DataFrame, out: Path, task: str) -> pd.DataFrame:
+    """figure3_seeds.csv (or <task>'s) and the experiment's rows of figures/comparisons.csv:
+    every objective takes the same optimizer steps on the same prompts (matched: updates)."""
+    exp = EXPERIMENT if task == "arithmetic" else f"{EXPERIMENT}-{task}"
+    seeds = wide.assign(experiment=exp, task=task, layout="independent",
+                        matched="optimizer_steps")
+    seeds = seeds[comparisons.SEED_KEYS + [c for c in wide.columns if c not in comparisons.SEED_KEYS]]
+    key = dict(experiment=exp, task=task, layout="independent", matched="optimizer_steps")
+    pairs = [({**key, "objective": a}, {**key, "objective": "gspo"}, (a, "gspo") in PRIMARY)
+             for a in OBJECTIVES if a != "gspo"]
+    rows = comparisons.compare(seeds, pairs)
+    dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
+    dest.mkdir(parents=True, exist_ok=True)
+    seeds.to_csv(dest / f"{exp}_seeds.csv", index=False)
+    comparisons.write(rows, exp, dest / "comparisons.csv")
+    return rows
+
+
+def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1,
+         ledger: list | None = None) -> pd.DataFrame:
     """Train (or reuse) the seeds, draw the figures, write the CSV; returns the tidy table."""
-    run_seeds(runs, seeds, objectives=OBJECTIVES, **size)
+    run_seeds(runs, seeds, ledger=ledger, objectives=OBJECTIVES, **size)
     tidy = load_seeds(runs)
     tidy = tidy[tidy["seed"].isin(list(seeds))]
     draw(tidy, out, size["minibatches"], smooth)
@@ -144,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                    "the loop's --eval-every (default 10): eval_accuracy is the held-out score")
     p.add_argument("--replot", action="store_true", help="redraw the PNGs from OUT/figure3.csv "
                    "and the size in OUT/figure3.json (no training, no run folders needed)")
+    p.add_argument("--reanalyse", action="store_true", help="re-make the table, the seeds file "
+                   "and the comparisons from OUT/figure3.json's per-seed values (no training)")
+    p.add_argument("--reuse-any-code", action="store_true",
+                   help="reuse finished runs whatever code made them (recorded in the .json)")
     a = p.parse_args(argv)
     set_threads(1)
     if a.replot:
@@ -153,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"figure3 → {out}/figure3.png, figure3_diagnostics.png, figure3_paired.png "
               f"(redrawn from {out / 'figure3.csv'})")
         return 0
+    if a.reanalyse:
+        return reanalyse(Path(a.out or FIGURES), argv)
     a.seeds = a.seeds or (2 if a.quick else 5)
     size = dict(QUICK) if a.quick else dict(FULL)
     if a.steps:
@@ -162,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     eval_n = a.eval_n or (16 if a.quick else 256)
     runs = Path(a.runs or ROOT / ("runs/figure3-quick" if a.quick else "runs/figure3"))
     out = Path(a.out or (runs if a.quick else FIGURES))
-    t0, prov = time.time(), provenance("figure3.py", argv)
-    make(runs, out, range(a.seeds), size, smooth=1 if a.quick else 3)
+    t0, prov, ledger = time.time(), provenance("figure3.py", argv), []
+    make(runs, out, range(a.seeds), size, smooth=1 if a.quick else 3, ledger=ledger)
     wide = per_seed(runs, range(a.seeds), OBJECTIVES, eval_n)
     table = paired_table(wide, LABELS)
+    publish(wide, out, size.get("task", "arithmetic"))
     seconds = time.time() - t0
     src = ", ".join(sorted(set(wide["heldout_source"])))
     md = [f"Mean [95 % t interval] over seeds; difference to GSPO paired by seed [95 % paired "
@@ -176,10 +208,33 @@ def main(argv: list[str] | None = None) -> int:
     (out / "figure3.md").write_text("\n".join(md) + "\n")
     write_meta(out / "figure3.json", prov, size=size, seeds=a.seeds, eval_n=eval_n,
                seconds=round(seconds), runs=str(runs), table=table.to_dict("records"),
-               per_seed=wide.to_dict("records"))
+               per_seed=wide.to_dict("records"), primary=PRIMARY, run_provenance=ledger)
     print("\n".join(md))
     print(f"figure3 → {out}/figure3.png, figure3_diagnostics.png, figure3_paired.png, "
           f"figure3.csv, figure3.md, figure3.json in {seconds:.0f} s")
+    return 0
+
+
+def reanalyse(out: Path, argv: list[str] | None) -> int:
+    """The table, seeds file and comparisons again from OUT/figure3.json's per-seed values."""
+    meta = json.loads((out / "figure3.json").read_text())
+    wide, size = pd.DataFrame(meta["per_seed"]), meta["size"]
+    table = paired_table(wide, LABELS)
+    publish(wide, out, size.get("task", "arithmetic"))
+    made = meta.get("runs_made_by") or meta["provenance"]
+    md = ["Mean [95 % t interval] over seeds; difference to GSPO paired by seed [95 % paired t "
+          "interval], p (exact sign-flip); held-out source: "
+          f"{', '.join(sorted(set(wide['heldout_source'])))}", "",
+          table.drop(columns="objective").to_markdown(index=False), "",
+          f"{meta['seeds']} seeds × {size['steps']} rollout steps × {size['prompts']} prompts × "
+          f"G={size['G']}, {size['minibatches']} minibatches; runs made by `{made['command']}` at "
+          f"commit {made['commit'][:10]} (before runs recorded their code); table re-made by "
+          f"{stamp(provenance('figure3.py', argv))}."]
+    (out / "figure3.md").write_text("\n".join(md) + "\n")
+    meta.update(table=table.to_dict("records"), runs_made_by=made, primary=PRIMARY,
+                provenance=provenance("figure3.py", argv))
+    (out / "figure3.json").write_text(json.dumps(meta, indent=1, default=str))
+    print("\n".join(md))
     return 0
 
 
