@@ -31,7 +31,7 @@ def summarize(tidy: pd.DataFrame, last: int = 5) -> pd.DataFrame:
         tail = d[d["step"] > d["step"].max() - last]
         row = {"objective": obj, "acc_first": d["accuracy"].iloc[0],
                f"acc_last{last}": tail["accuracy"].mean()}
-        for m in ("eval_accuracy", "eval_accuracy_greedy"):  # held-out, at the last evaluation
+        for m in ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected"):  # held-out
             if m in d and d[m].notna().any():
                 row[f"{m}_final"] = d[m].dropna().iloc[-1]
         for m in SUMMARY_METRICS[1:]:
