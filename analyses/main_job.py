@@ -46,7 +46,7 @@ def markdown(per_seed: dict, prov: dict, seconds: float) -> str:
     cols = [c for c in SHOWN if c in seed0.columns]
     return "\n".join([
         "# The main job (`gradlab reproduce`)", "",
-        f"Seed 0 — what `gradlab reproduce --threads 1` prints on this machine, bitwise (same CPU "
+        "Seed 0 — what `gradlab reproduce --threads 1` prints on this machine, bitwise (same CPU "
         "model, torch build and thread count give the same numbers; another CPU parts within "
         "tens of steps and lands inside the seed spread below):", "",
         seed0[cols].to_markdown(floatfmt=".3g"), "",
