@@ -66,6 +66,31 @@ def run_seeds(root: str | Path, seeds, ledger: list | None = None, reuse_any_cod
     return root
 
 
+def _run_one(job: tuple) -> list:
+    root, seed, reuse_any_code, cfg = job
+    set_threads(1)
+    ledger: list = []
+    run_seeds(root, [seed], ledger=ledger, reuse_any_code=reuse_any_code, **cfg)
+    return ledger
+
+
+def run_jobs(jobs: list[tuple], processes: int = 1, ledger: list | None = None) -> None:
+    """`run_seeds(root, [seed], reuse_any_code=…, **cfg)` for each job (root, seed,
+    reuse_any_code, cfg), in `processes` worker processes (each one torch thread; every seed
+    has its own folder, so they never share a writer). The ledgers come back in job order."""
+    if processes <= 1:
+        out = [_run_one(j) for j in jobs]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as ex:
+            out = list(ex.map(_run_one, jobs))
+    if ledger is not None:
+        for part in out:
+            ledger.extend(part)
+
+
 def _same_config(c: RunConfig) -> bool:
     f = Path(c.out) / "config.json"
     if not f.exists():

@@ -64,7 +64,7 @@ from analyses.common import (
     load_seeds,
     mean_ci,
     provenance,
-    run_seeds,
+    run_jobs,
     set_threads,
     stamp,
     write_meta,
@@ -208,14 +208,16 @@ def train_and_measure(a, task: str, seeds, objs: list, runs: Path, ledger: list)
     from gradlab.loop.task import get_task
 
     groups = plan(task, a.steps or (2 if a.quick else STEPS[task]))
+    jobs = []
     for k in seeds:  # seed-major: a run cut short still has every layout of its first seeds
         for layout, _, steps, folder in dict((g[3], g) for g in groups).values():
             size = dict(QUICK, G=8, prompts=2) if a.quick else dict(
                 prompts=8, G=8, minibatches=4, tax_every=5, progress=False)
             size.update(steps=steps, eval_every=steps, ckpt_every=steps, task=task,
                         eval_size=16 if a.quick else 128)
-            run_seeds(runs / task / folder, [k], ledger=ledger, reuse_any_code=a.reuse_any_code,
-                      objectives=objs + EXTRA.get(layout, []), **LAYOUTS[layout], **size)
+            jobs.append((runs / task / folder, k, a.reuse_any_code,
+                         dict(objectives=objs + EXTRA.get(layout, []), **LAYOUTS[layout], **size)))
+    run_jobs(jobs, a.jobs, ledger)
     split = heldout_split(get_task(task))[: 32 if a.quick else None]
     measured, out = {}, []
     for layout, matched, _, folder in groups:
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for tree_tandem.* (default figures/; quick: the runs folder)")
     p.add_argument("--reuse-any-code", action="store_true",
                    help="reuse finished runs whatever code made them (recorded in the .json)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own "
+                   "process with one torch thread (default 1)")
     p.add_argument("--from-csv", help="re-analyse the per-run values of an earlier "
                    "tree_tandem.csv instead of training (no provenance: said in the outputs)")
     a = p.parse_args(argv)
