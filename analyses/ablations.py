@@ -184,8 +184,8 @@ def markdown(w2: pd.DataFrame | None, w3: dict, src: str, footer: str, exp: str,
     md += [f"Per-seed values: `{exp}_seeds.csv`. The held-out differences to GSPO are rows of "
            f"`comparisons.csv`, all exploratory (not declared before the runs; no multiplicity "
            f"adjustment): experiment `{exp}` for the second tandem's variants"
-           + (f" and G ≠ {G2}" if w3 else "") + "; DFPO (both), GRPO"
-           + (f" and G = {G2}" if w3 else "") + " are the Figure 3 tandem's runs, published "
+           + (f" and G ≠ {G2}" if w3 else "") + "; DFPO (both)"
+           + (f", GRPO and G = {G2}" if w3 else " and GRPO") + " are the Figure 3 tandem's runs, published "
            f"once as experiment `{fig3}`.", "", footer]
     return md
 
