@@ -18,10 +18,15 @@ seed for every objective: common random numbers). Reports
   - seeds needed for a paired 95 % interval narrower than `--width` points
     (`gradlab.stats.seeds_needed`), from the twins' sd and from DFPO − GSPO's own sd.
 Writes <out>/noise_floor.md, noise_floor.csv (seed, objective, metric, value, parted_at) and
-noise_floor.json (numbers + provenance: commit, threads, command).
+noise_floor.json (numbers + provenance: code hash, commit, machine, command; per run used its
+code hash, machine and whether it was reused). The per-seed values also go to
+figures/noise_floor_seeds.csv and three held-out comparisons to figures/comparisons.csv
+(experiment "noise_floor": dfpo-min − gspo, dfpo-orth − gspo and the twins dfpo-min −
+dfpo-orth), all exploratory: not declared before the runs.
 
-    python analyses/noise_floor.py            # 10 seeds × 150 rollout steps × 8 prompts × G=8
-    python analyses/noise_floor.py --quick    # seconds, for tests
+    python analyses/noise_floor.py              # 10 seeds × 150 rollout steps × 8 prompts × G=8
+    python analyses/noise_floor.py --quick      # seconds, for tests
+    python analyses/noise_floor.py --reanalyse  # tables again from figures/noise_floor.csv
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ if __package__ in (None, ""):
 import numpy as np
 import pandas as pd
 
+from analyses import comparisons
 from analyses.common import (
     FIGURES,
     QUICK,
@@ -47,6 +53,7 @@ from analyses.common import (
     provenance,
     run_seeds,
     set_threads,
+    stamp,
 )
 from gradlab.stats import paired_interval, seeds_needed
 
@@ -104,25 +111,60 @@ def summarise(long: pd.DataFrame, width: float) -> dict:
     return out
 
 
-def markdown(summary: dict, parted: list, size: dict, eval_n: int, seconds: float) -> str:
+EXPERIMENT = "noise_floor"
+# exploratory (not declared before the runs): DFPO against GSPO, and the twins against each other
+PAIRS = [("dfpo-min", "gspo"), ("dfpo-orth", "gspo"), ("dfpo-min", "dfpo-orth")]
+
+
+def publish(long: pd.DataFrame, out: Path, task: str = "arithmetic") -> pd.DataFrame:
+    """noise_floor_seeds.csv (one row per seed and objective: heldout_acc, train_acc_last5,
+    parted_at) and the experiment's rows of comparisons.csv (into figures/ when out lies under
+    it); every objective takes the same optimizer steps on the same prompts."""
+    key = dict(experiment=EXPERIMENT, task=task, layout="independent", matched="optimizer_steps")
+    w = long.pivot_table(index=["seed", "objective"], columns="metric", values="value",
+                         aggfunc="first").reset_index()
+    parted = long.groupby("seed")["parted_at"].first()
+    seeds = w.assign(parted_at=w["seed"].map(parted), **key)
+    seeds = seeds[comparisons.SEED_KEYS + [*METRICS, "parted_at"]]
+    rows = comparisons.compare(seeds, [({**key, "objective": a}, {**key, "objective": b}, False)
+                                       for a, b in PAIRS])
+    dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
+    dest.mkdir(parents=True, exist_ok=True)
+    seeds.to_csv(dest / f"{EXPERIMENT}_seeds.csv", index=False)
+    comparisons.write(rows, EXPERIMENT, dest / "comparisons.csv")
+    return rows
+
+
+def markdown(summary: dict, parted: list, size: dict, eval_n: int, rows: pd.DataFrame,
+             footer: str) -> str:
+    """The noise-floor table, the exploratory held-out comparisons and a footer."""
     lines = ["| metric | seeds | twin sd (min − orth) | one run's sd (twin sd/√2) | "
-             "DFPO − GSPO [95 % paired t interval] | sd of DFPO − GSPO | seeds for width < "
+             "DFPO − GSPO [95 % paired t interval], p | sd of DFPO − GSPO | seeds for width < "
              f"{summary['train_acc_last5']['seeds_needed_width']:g} (twin sd / DFPO−GSPO sd) |",
              "|---|---|---|---|---|---|---|"]
     for metric, s in summary.items():
         g = s["dfpo_minus_gspo"]
         lines.append(f"| {METRICS[metric]} | {s['seeds']} | {s['twin_sd']:.2f} | "
-                     f"{s['run_sd']:.2f} | {g['mean']:+.2f} [{g['lo']:+.2f}, {g['hi']:+.2f}] | "
-                     f"{g['sd']:.2f} | {s['seeds_needed_twin_sd']} / "
+                     f"{s['run_sd']:.2f} | {g['mean']:+.2f} [{g['lo']:+.2f}, {g['hi']:+.2f}], "
+                     f"p {g['p']:.2g} | {g['sd']:.2f} | {s['seeds_needed_twin_sd']} / "
                      f"{s['seeds_needed_dfpo_gspo_sd']} |")
     never = sum(p is None for p in parted)
     got = sorted(p for p in parted if p is not None)
-    lines += ["", f"Points (accuracy × 100). Twins parted at rollout steps {got}"
-              + (f"; {never} pair(s) never parted" if never else "") + ". "
+    p_method = next(iter(summary.values()))["dfpo_minus_gspo"]["p_method"]
+    lines += ["", f"Points (accuracy × 100); p: {p_method} test. Twins parted at rollout "
+              f"steps {got}" + (f"; {never} pair(s) never parted" if never else "") + ". "
               f"{len(parted)} seeds × {size['steps']} rollout steps × {size['prompts']} prompts "
-              f"× G={size['G']}, {size['minibatches']} minibatches; held-out n={eval_n}; "
-              f"{seconds:.0f} s."]
+              f"× G={size['G']}, {size['minibatches']} minibatches; held-out n={eval_n}.", "",
+              f"Held-out comparisons (experiment `{EXPERIMENT}` of `comparisons.csv`; per-seed "
+              f"values in `{EXPERIMENT}_seeds.csv`), exploratory: not declared before the runs.",
+              "", comparisons.markdown(rows), "", footer]
     return "\n".join(lines)
+
+
+def _parted(long: pd.DataFrame) -> list:
+    """Per seed (in seed order): the twins' parting step, None where they never parted."""
+    first = long.groupby("seed")["parted_at"].first()
+    return [None if pd.isna(x) else int(x) for x in first]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,8 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-n", type=int, help="held-out problems per policy (default 256)")
     p.add_argument("--width", type=float, default=5.0,
                    help="target width of the paired 95 %% interval, in points (default 5)")
+    p.add_argument("--reuse-any-code", action="store_true",
+                   help="reuse finished runs whatever code made them (recorded in the .json)")
+    p.add_argument("--reanalyse", action="store_true", help="re-make noise_floor.md/.json, the "
+                   "seeds file and the comparisons from OUT/noise_floor.csv (no training)")
     a = p.parse_args(argv)
     set_threads(1)
+    if a.reanalyse:
+        return reanalyse(Path(a.out or FIGURES), argv)
     n_seeds = a.seeds or (3 if a.quick else 10)
     size = dict(QUICK, probes=False, trace_every=0) if a.quick else dict(FULL)
     if a.steps:
@@ -144,20 +192,49 @@ def main(argv: list[str] | None = None) -> int:
     eval_n = a.eval_n or (16 if a.quick else 256)
     runs = Path(a.runs or ROOT / ("runs/noise_floor-quick" if a.quick else "runs/noise_floor"))
     out = Path(a.out or (runs if a.quick else FIGURES))
-    seeds = range(n_seeds)
+    seeds, ledger = range(n_seeds), []
     t0, prov = time.time(), provenance("noise_floor.py", argv)
-    run_seeds(runs, seeds, objectives=OBJECTIVES, **size)
+    run_seeds(runs, seeds, ledger=ledger, reuse_any_code=a.reuse_any_code, objectives=OBJECTIVES,
+              **size)
     long = scores(runs, seeds, eval_n)
-    summary = summarise(long, a.width)
-    parted = [long[long["seed"] == k]["parted_at"].iloc[0] for k in seeds]
-    parted = [None if pd.isna(x) else int(x) for x in parted]
+    summary, parted = summarise(long, a.width), _parted(long)
+    rows = publish(long, out)
     seconds = time.time() - t0
-    md = markdown(summary, parted, size, eval_n, seconds)
+    footer = (f"{seconds:.0f} s; {stamp(prov)}" + ("; finished runs reused whatever code made "
+              "them (--reuse-any-code)." if a.reuse_any_code else "."))
+    md = markdown(summary, parted, size, eval_n, rows, footer)
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise_floor.md").write_text(md + "\n")
     long.to_csv(out / "noise_floor.csv", index=False)
     meta = {"provenance": prov, "size": size, "seeds": n_seeds, "eval_n": eval_n,
-            "parted_at": parted, "seconds": round(seconds), "summary": summary}
+            "parted_at": parted, "seconds": round(seconds), "summary": summary,
+            "reuse_any_code": a.reuse_any_code, "run_provenance": ledger}
+    (out / "noise_floor.json").write_text(json.dumps(meta, indent=1))
+    print(md)
+    return 0
+
+
+def reanalyse(out: Path, argv: list[str] | None) -> int:
+    """noise_floor.md/.json, the seeds file and the comparisons again from OUT/noise_floor.csv
+    (sizes, width and the runs' provenance from OUT/noise_floor.json)."""
+    for f in ("noise_floor.csv", "noise_floor.json"):
+        if not (out / f).is_file():
+            print(f"noise_floor --reanalyse: {out / f} not found", file=sys.stderr)
+            return 2
+    long, meta = pd.read_csv(out / "noise_floor.csv"), json.loads((out / "noise_floor.json").read_text())
+    width = meta["summary"]["train_acc_last5"]["seeds_needed_width"]
+    summary, parted = summarise(long, width), _parted(long)
+    rows = publish(long, out, meta["size"].get("task", "arithmetic"))
+    made, prov = meta.get("runs_made_by") or meta["provenance"], provenance("noise_floor.py", argv)
+    when = ("per-run code hashes in noise_floor.json" if meta.get("run_provenance")
+            else "before runs recorded their code")
+    footer = (f"Runs made by `{made['command']}` at commit {made['commit'][:10]}"
+              + (" with uncommitted changes" if made.get("dirty") else "")
+              + f" in {meta['seconds']} s ({when}); tables re-made by {stamp(prov)}.")
+    md = markdown(summary, parted, meta["size"], meta["eval_n"], rows, footer)
+    (out / "noise_floor.md").write_text(md + "\n")
+    meta.update(provenance=prov, runs_made_by=made, parted_at=parted, summary=summary,
+                run_provenance=meta.get("run_provenance"))
     (out / "noise_floor.json").write_text(json.dumps(meta, indent=1))
     print(md)
     return 0

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analyses import ablations, common, figure2, figure3, noise_floor, prop31, scaffold_tax  # noqa: E402
+from gradlab.stats import paired_interval  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +96,20 @@ def test_ablations_quick(tmp_path):
     assert tax["gspo"] > 1e3 * tax["dfpo-min"]
     meta = json.loads((tmp_path / "ablations.json").read_text())
     assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
+    # one provenance row per run used: Figure 3 tandem, second tandem, G ≠ 4 tandems (2 seeds each)
+    ledger = meta["run_provenance"]
+    assert len(ledger) == 2 * (2 + len(ablations.GROUP_SIZES) - 1)
+    assert all(r["current_code"] and len(r["code_hash"]) == 16 for r in ledger)
+    # the seeds file holds every table row; comparisons: the second tandem's and G ≠ 4's
+    seeds = pd.read_csv(tmp_path / "ablations_seeds.csv")
+    assert set(seeds["layout"]) == {"independent", *(f"G={g}" for g in ablations.GROUP_SIZES)}
+    rows = pd.read_csv(tmp_path / "comparisons.csv")
+    assert len(rows) == len(ablations.EXTRA) + len(ablations.GROUP_SIZES) - 1
+    assert not rows["primary"].any() and rows["p_holm"].isna().all()
+    x = seeds[(seeds["layout"] == "G=16") & (seeds["objective"] == "dfpo-min")]["heldout_acc"]
+    y = seeds[(seeds["layout"] == "G=16") & (seeds["objective"] == "gspo")]["heldout_acc"]
+    assert rows[rows["layout"] == "G=16"]["mean_diff"].item() == pytest.approx(
+        100 * (x.to_numpy() - y.to_numpy()).mean())
     # Table 2 pairs two tandems: a learner does not depend on which objectives run beside it
     common.run_seeds(tmp_path / "solo", [0], objectives=["gspo"], **common.QUICK)
     solo, fig3 = (common.load_seeds(tmp_path / d) for d in ("solo", "figure3"))
@@ -117,7 +132,78 @@ def test_noise_floor_quick(tmp_path):
     s = meta["summary"]["train_acc_last5"]
     assert s["twin_sd"] == 0 and s["seeds_needed_twin_sd"] == 2
     assert meta["provenance"]["command"].startswith("python analyses/noise_floor.py --quick")
+    assert len(meta["run_provenance"]) == 3 and not any(r["reused"] for r in meta["run_provenance"])
     assert "twin sd" in (tmp_path / "noise_floor.md").read_text()
+    rows = pd.read_csv(tmp_path / "comparisons.csv")
+    assert list(zip(rows["a"], rows["b"])) == noise_floor.PAIRS and not rows["primary"].any()
+    twins = rows[rows["b"] == "dfpo-orth"].iloc[0]
+    assert (twins["mean_diff"], twins["lo"], twins["hi"]) == (0, 0, 0)  # not parted yet
+
+
+def _published(tmp_path, files: list[str], sub: str = "") -> Path:
+    """A copy of the committed figures/ files a re-analysis reads, in tmp_path/sub."""
+    import shutil
+
+    d = tmp_path / sub
+    d.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy(ROOT / "figures" / sub / f, d / f)
+    return d
+
+
+def _same_rows(tmp: Path, experiment: str) -> None:
+    """The re-analysis' seeds file and comparisons equal the committed ones."""
+    fig = ROOT / "figures"
+    pd.testing.assert_frame_equal(pd.read_csv(tmp / f"{experiment}_seeds.csv"),
+                                  pd.read_csv(fig / f"{experiment}_seeds.csv"))
+    new = pd.read_csv(tmp / "comparisons.csv")
+    old = pd.read_csv(fig / "comparisons.csv")
+    old = old[old["experiment"] == experiment].reset_index(drop=True)
+    pd.testing.assert_frame_equal(new, old, rtol=1e-9)
+    assert len(new) and set(new["method"]) == {"t"}
+
+
+def _tables(md: str) -> str:
+    """An ablations/noise_floor.md without its provenance footer (the last line)."""
+    return md.rstrip("\n").rsplit("\n", 1)[0]
+
+
+@pytest.mark.parametrize("task,sub,exp", [("arithmetic", "", "ablations"),
+                                          ("scaffold", "scaffold", "ablations-scaffold")])
+def test_ablations_reanalyse_reproduces_the_published_tables(tmp_path, task, sub, exp):
+    """--reanalyse on a copy of the committed ablations.csv/.json/.md re-makes the committed
+    tables, seeds file and comparisons rows without training (no run folders), and says the
+    runs were made by the earlier commit."""
+    d = _published(tmp_path, ["ablations.csv", "ablations.json", "ablations.md"], sub)
+    committed = (d / "ablations.md").read_text()
+    assert ablations.main(["--reanalyse", "--task", task, "--out", str(d)]) == 0
+    md = (d / "ablations.md").read_text()
+    assert _tables(md) == _tables(committed) and "bootstrap" not in md
+    meta = json.loads((d / "ablations.json").read_text())
+    made = meta["runs_made_by"]["commit"][:10]
+    assert "runs made by" in md and made in md and "before runs recorded their code" in md
+    assert meta["provenance"]["command"].startswith("python analyses/ablations.py --reanalyse")
+    _same_rows(d, exp)
+    # the Figure 3 tandem's rows are the Figure 3 experiment's per-seed values
+    s = pd.read_csv(d / f"{exp}_seeds.csv")
+    f3 = pd.read_csv(ROOT / "figures" / f"{exp.replace('ablations', 'figure3')}_seeds.csv")
+    both = s[s["table"] == "table2"].merge(f3, on=["objective", "seed"], suffixes=("", "_f3"))
+    assert len(both) == len(f3) and (both["heldout_acc"] == both["heldout_acc_f3"]).all()
+
+
+def test_noise_floor_reanalyse_reproduces_the_published_table(tmp_path):
+    d = _published(tmp_path, ["noise_floor.csv", "noise_floor.json", "noise_floor.md"])
+    committed = (d / "noise_floor.md").read_text()
+    assert noise_floor.main(["--reanalyse", "--out", str(d)]) == 0
+    md = (d / "noise_floor.md").read_text()
+    assert _tables(md) == _tables(committed) and "t interval" in md
+    _same_rows(d, "noise_floor")
+    # the DFPO − GSPO interval is the t interval of the committed per-seed held-out values
+    s = pd.read_csv(d / "noise_floor_seeds.csv")
+    w = s.pivot(index="seed", columns="objective", values="heldout_acc")
+    r = paired_interval(100 * w["dfpo-min"], 100 * w["gspo"])
+    g = json.loads((d / "noise_floor.json").read_text())["summary"]["heldout_acc"]["dfpo_minus_gspo"]
+    assert (g["lo"], g["hi"], g["p"]) == pytest.approx((r["lo"], r["hi"], r["p"]))
 
 
 def test_mean_ci_is_a_t_interval():
