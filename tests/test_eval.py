@@ -116,8 +116,8 @@ def test_eval_in_store_deterministic_and_training_untouched(tmp_path):
     a, b, off = _metrics(tmp_path / "a"), _metrics(tmp_path / "b"), _metrics(tmp_path / "off")
     pd.testing.assert_frame_equal(a, b)
     ev = a[a["metric"].str.startswith("eval_")]
-    assert len(ev) == 2 * 2 * 2  # 2 keys × 2 objectives × 2 evaluation steps
-    assert set(ev["metric"]) == {"eval_accuracy", "eval_accuracy_greedy"}
+    assert len(ev) == 3 * 2 * 2  # 3 keys × 2 objectives × 2 evaluation steps
+    assert set(ev["metric"]) == {"eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected"}
     assert ev["value"].between(0, 1).all()
     rest = a[~a["metric"].str.startswith("eval_")].reset_index(drop=True)
     pd.testing.assert_frame_equal(rest, off)  # evaluating consumes no training randomness
