@@ -30,9 +30,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .heldout import _draw, eval_problems, heldout_prompts, is_heldout
-from .logprobs import token_logps
-from .policy import encode_pairs, load_policy
+from .heldout import _draw, eval_problems, expected_accuracy, heldout_prompts, is_heldout  # noqa: F401
+from .policy import load_policy
 from .rollout import generate
 
 _DRAW_SALT = 1_000_033  # eval seed s > 0 → held-out problem stream s · salt
@@ -65,32 +64,6 @@ def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     if held is not None:
         n = min(n, len(held))
     return _draw(task, n, seed * _DRAW_SALT, held, want_heldout=True, distinct=True)
-
-
-@torch.no_grad()
-def expected_accuracy(model, tok, task, problems: list, temperature: float = 1.0,
-                      chunk: int = 256) -> np.ndarray:
-    """(N,) float64: probability that one response sampled at `temperature` is correct, summed
-    over `task.solutions(problem)` (see the module docstring; needs `task.exact_answers`)."""
-    if not getattr(task, "exact_answers", False):
-        raise ValueError(f"accuracy_expected needs a task whose correct responses are a known "
-                         f"list of strings; {type(task).__name__} is scored by samples only")
-    was = model.training
-    model.eval()
-    sols = [task.solutions(p) for p in problems]
-    k = len(sols[0]) if sols else 0
-    prompts = [p.prompt for p, s in zip(problems, sols) for _ in s]
-    resp = [x for s in sols for x in s]
-    dev = next(model.parameters()).device
-    out = []
-    for s in range(0, len(resp), chunk):
-        pid, pm, rid, rm = encode_pairs(tok, prompts[s:s + chunk], resp[s:s + chunk], dev)
-        lp = token_logps(model, pid, pm, rid, rm, temperature=temperature)  # (c, T) nats
-        out.append((lp.double() * rm).sum(-1).exp().cpu())
-    model.train(was)
-    if not out:
-        return np.zeros(0)
-    return torch.cat(out).view(len(problems), k).sum(-1).numpy()
 
 
 @torch.no_grad()

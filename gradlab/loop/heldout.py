@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
+from .logprobs import token_logps
 from .precision import autocast
-from .rollout import generate
+from .rollout import encode_pairs, generate
 
 EVAL_BUCKETS = 8  # 1 in 8 of the problem space is held out
 _EVAL_SEED = 2_147_483_647  # the problem stream the evaluation set is drawn from
@@ -116,9 +118,35 @@ def evaluate_heldout(model, tok, task, problems: list, temperature: float, max_n
                       row_keys=keys.to(dev))
         out[name] = sum(task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)) / len(problems)
     if getattr(task, "exact_answers", False):
-        from .evaluation import expected_accuracy  # evaluation imports this module
-
         with autocast(dev, amp):
             out["eval_accuracy_expected"] = float(
                 expected_accuracy(model, tok, task, problems, temperature).mean())
     return out
+
+
+@torch.no_grad()
+def expected_accuracy(model, tok, task, problems: list, temperature: float = 1.0,
+                      chunk: int = 256) -> np.ndarray:
+    """(N,) float64: probability that one response sampled at `temperature` is correct,
+    Σ_s π(s, EOS | prompt) over `task.solutions(problem)` (teacher-forced log-probs, the
+    training path), for a task whose verifier accepts exactly those strings
+    (`task.exact_answers`); whitespace variants the verifier also strips are not summed."""
+    if not getattr(task, "exact_answers", False):
+        raise ValueError(f"accuracy_expected needs a task whose correct responses are a known "
+                         f"list of strings; {type(task).__name__} is scored by samples only")
+    was = model.training
+    model.eval()
+    sols = [task.solutions(p) for p in problems]
+    k = len(sols[0]) if sols else 0
+    prompts = [p.prompt for p, s in zip(problems, sols) for _ in s]
+    resp = [x for s in sols for x in s]
+    dev = next(model.parameters()).device
+    out = []
+    for s in range(0, len(resp), chunk):
+        pid, pm, rid, rm = encode_pairs(tok, prompts[s:s + chunk], resp[s:s + chunk], dev)
+        lp = token_logps(model, pid, pm, rid, rm, temperature=temperature)  # (c, T) nats
+        out.append((lp.double() * rm).sum(-1).exp().cpu())
+    model.train(was)
+    if not out:
+        return np.zeros(0)
+    return torch.cat(out).view(len(problems), k).sum(-1).numpy()

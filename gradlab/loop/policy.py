@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from .logprobs import token_logps
-from .rollout import generate
+from .rollout import encode_pairs, generate  # noqa: F401  (encode_pairs: re-exported)
 from .task import ArithmeticTask, ScaffoldTask
 from .untrusted import check_pickles, check_remote_code
 
@@ -117,31 +117,6 @@ def n_params(model) -> int:
 
 
 # ----------------------------------------------------------------------------- warm start
-
-
-def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cpu"):
-    """Tokenize (prompt, response) pairs into the rollout layout; EOS is appended to responses.
-
-    Returns prompt_ids, prompt_mask (N, P) left-padded and response_ids, response_mask (N, T)
-    right-padded with the pad id (mask True on response tokens incl. EOS).
-    """
-    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
-    resp = [
-        tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        for r in responses
-    ]
-    T = max(len(r) for r in resp)
-    response_ids = torch.full((len(resp), T), tokenizer.pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((len(resp), T), dtype=torch.bool)
-    for i, r in enumerate(resp):
-        response_ids[i, : len(r)] = torch.tensor(r)
-        response_mask[i, : len(r)] = True
-    return (
-        enc["input_ids"].to(device),
-        enc["attention_mask"].bool().to(device),
-        response_ids.to(device),
-        response_mask.to(device),
-    )
 
 
 def _sft_batch(task, tokenizer, batch_size: int, step: int, seed: int, g: torch.Generator):

@@ -71,6 +71,31 @@ class Rollout:
         return Rollout(**kw)
 
 
+def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cpu"):
+    """Tokenize (prompt, response) pairs into the rollout layout; EOS is appended to responses.
+
+    Returns prompt_ids, prompt_mask (N, P) left-padded and response_ids, response_mask (N, T)
+    right-padded with the pad id (mask True on response tokens incl. EOS).
+    """
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    resp = [
+        tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for r in responses
+    ]
+    T = max(len(r) for r in resp)
+    response_ids = torch.full((len(resp), T), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(resp), T), dtype=torch.bool)
+    for i, r in enumerate(resp):
+        response_ids[i, : len(r)] = torch.tensor(r)
+        response_mask[i, : len(r)] = True
+    return (
+        enc["input_ids"].to(device),
+        enc["attention_mask"].bool().to(device),
+        response_ids.to(device),
+        response_mask.to(device),
+    )
+
+
 def score(task, rollout: Rollout) -> torch.Tensor:
     """(N,) float32 rewards of the rollout's responses under `task` (also stored on the rollout)."""
     r = [task.reward(p, t) for p, t in zip(rollout.problems, rollout.texts)]
