@@ -110,7 +110,27 @@ def budget(long: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def markdown(table: pd.DataFrame, prov: dict, seconds: float, n_seeds: int) -> str:
+def power(long: pd.DataFrame, family: int = 30) -> pd.DataFrame:
+    """Per task, from the whole-split expected accuracy (no evaluation noise): the sd of a paired
+    difference between objectives (DFPO-min − GSPO), the seeds a 95 % half-width of 2.5 points
+    needs, and the seeds an exact sign-flip p needs to survive Holm over `family` comparisons
+    (2 / 2^n ≤ 0.05 / family)."""
+    from gradlab.stats import detectable, seeds_needed
+
+    rows = []
+    for task, d in long[long["scheme"] == "expected all"].groupby("task", sort=False):
+        w = 100 * d.pivot_table(index="seed", columns="objective", values="value")
+        sd = float((w["dfpo-min"] - w["gspo"]).std(ddof=1))
+        rows.append({"task": task, "sd of dfpo-min − gspo": sd,
+                     "seeds for half-width 2.5": seeds_needed(sd, 5.0),
+                     "half-width at 10 seeds": detectable(sd, 10),
+                     f"seeds for p to survive Holm over {family}":
+                         int(np.ceil(np.log2(2 * family / 0.05)))})
+    return pd.DataFrame(rows)
+
+
+def markdown(table: pd.DataFrame, prov: dict, seconds: float, n_seeds: int,
+             pw: pd.DataFrame | None = None) -> str:
     t = table.assign(**{c: table[c].map(lambda x: f"{x:.2f}") for c in
                         ("eval_sd", "train_sd", "twin_sd", "ratio")})
     t["ok"] = t["ok"].map({True: "yes", False: "no"})
@@ -121,6 +141,8 @@ def markdown(table: pd.DataFrame, prov: dict, seconds: float, n_seeds: int) -> s
         "seeds of the whole-split expected accuracy, pooled over DFPO-min, DFPO-orth and GSPO; "
         "twin_sd: the round-off twins' difference sd / √2. ok: eval_sd ≤ ¼ train_sd.", "",
         t.rename(columns={"ok": "eval ≤ ¼ train"}).to_markdown(index=False), "",
+        *(["Seeds by power, from the paired differences without evaluation noise:", "",
+           pw.to_markdown(index=False, floatfmt=".2f"), ""] if pw is not None else []),
         f"{n_seeds} training seeds per task; {seconds:.0f} s; {stamp(prov)}."])
 
 
@@ -133,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-ckpts", type=int, default=3, help="checkpoints whose eval noise is measured")
     p.add_argument("--runs", help="default runs/noise_budget (quick: runs/noise_budget-quick)")
     p.add_argument("--out", help="folder for noise_budget.* (default figures/; quick: the runs folder)")
+    p.add_argument("--from-csv", help="re-make the tables from an earlier noise_budget.csv "
+                   "(no training; its .json's provenance is kept as runs_made_by)")
     a = p.parse_args(argv)
+    if a.from_csv:
+        return remake(Path(a.from_csv), Path(a.out or FIGURES), argv)
     set_threads(1)
     n_seeds = a.seeds or (3 if a.quick else 10)
     runs = Path(a.runs or ROOT / ("runs/noise_budget-quick" if a.quick else "runs/noise_budget"))
@@ -147,15 +173,37 @@ def main(argv: list[str] | None = None) -> int:
         longs.append(measure(runs / task, task, range(n_seeds), QUICK_SCHEMES if a.quick else SCHEMES,
                              2 if a.quick else a.eval_seeds, a.eval_ckpts))
     long = pd.concat(longs, ignore_index=True)
-    table = budget(long)
+    table, pw = budget(long), power(long)
     seconds = time.time() - t0
-    md = markdown(table, prov, seconds, n_seeds)
+    md = markdown(table, prov, seconds, n_seeds, pw)
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise_budget.md").write_text(md + "\n")
     long.to_csv(out / "noise_budget.csv", index=False)
     (out / "noise_budget.json").write_text(json.dumps(
         {"provenance": prov, "runs": ledger, "seeds": n_seeds, "seconds": round(seconds),
-         "table": table.to_dict("records")}, indent=1, default=str))
+         "table": table.to_dict("records"), "power": pw.to_dict("records")}, indent=1,
+        default=str))
+    print(md)
+    return 0
+
+
+def remake(csv: Path, out: Path, argv: list[str] | None) -> int:
+    """noise_budget.md/.json again from a stored noise_budget.csv (and its .json)."""
+    long = pd.read_csv(csv)
+    meta_path = csv.with_suffix(".json")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    made = meta.get("runs_made_by") or meta.get("provenance")
+    table, pw = budget(long), power(long)
+    prov = provenance("noise_budget.py", argv)
+    md = markdown(table, made or prov, meta.get("seconds", 0), int(long["seed"].nunique()), pw)
+    md += f"\n\nTables re-made from `{csv.name}` by {stamp(prov)}."
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "noise_budget.md").write_text(md + "\n")
+    if csv.resolve() != (out / "noise_budget.csv").resolve():
+        long.to_csv(out / "noise_budget.csv", index=False)
+    meta.update(provenance=prov, runs_made_by=made, table=table.to_dict("records"),
+                power=pw.to_dict("records"))
+    (out / "noise_budget.json").write_text(json.dumps(meta, indent=1, default=str))
     print(md)
     return 0
 

@@ -368,3 +368,23 @@ def test_bench_trl_real_smoke(tmp_path):
         assert r["steps_per_s"] == pytest.approx(1 / r["rollout_s"][1])  # 1 step, 2nd rollout
         assert r["peak_rss_mib"] >= r["rss_start_mib"] > 0
         assert med[name]["steps_per_s"] == r["steps_per_s"]
+
+
+def test_noise_budget_quick(tmp_path):
+    """Real runs, every scheme: the whole-split expected accuracy has no evaluation noise, the
+    sampled scores do; the tables re-make from the CSV alone."""
+    from analyses import noise_budget
+
+    assert noise_budget.main(["--quick", "--tasks", "arithmetic", "--runs", str(tmp_path / "r"),
+                              "--out", str(tmp_path)]) == 0
+    meta = json.loads((tmp_path / "noise_budget.json").read_text())
+    t = pd.DataFrame(meta["table"]).set_index("scheme")
+    assert t.loc["expected all", "eval_sd"] == 0 and t.loc["sampled 16×1", "eval_sd"] > 0
+    assert len(meta["runs"]) == 3 and all(r["current_code"] for r in meta["runs"])
+    long = pd.read_csv(tmp_path / "noise_budget.csv")
+    whole = long[long["scheme"] == "expected all"]
+    assert len(whole) == 3 * 3 and whole["value"].between(0, 1).all()
+    before = (tmp_path / "noise_budget.md").read_text().split("Seeds by power")[0]
+    assert noise_budget.main(["--from-csv", str(tmp_path / "noise_budget.csv"),
+                              "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "noise_budget.md").read_text().split("Seeds by power")[0] == before
