@@ -34,7 +34,7 @@ of analyses/comparisons.py), the experiment's rows of comparisons.csv, tree_tand
 (provenance of every run used: code hash, machine, reused) and .png.
 
     python analyses/tree_tandem.py                  # 3 seeds; arithmetic 30 and scaffold 20 steps
-    python analyses/tree_tandem.py --seeds 10       # the published table
+    python analyses/tree_tandem.py --seeds 11 --jobs 2   # the seeds figures/noise_budget.md asks for
     python analyses/tree_tandem.py --quick          # seconds: runs/tree_tandem-quick, for tests
 A run folder is reused only when the current code made it (gradlab.provenance); --reuse-any-code
 reuses finished runs of other code and says so in the .json.
