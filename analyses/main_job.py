@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for main_job.* (default figures/; quick: the runs folder)")
     p.add_argument("--reference", help=f"where the reference goes (default {REFERENCE}; quick: "
                    "the runs folder)")
+    p.add_argument("--reuse-any-code", action="store_true",
+                   help="reuse finished runs whatever code made them (recorded in the .json)")
     a = p.parse_args(argv)
     set_threads(1)
     n = a.seeds or (3 if a.quick else 5)
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_path = Path(a.reference or (runs / "reproduce_reference.json" if a.quick else REFERENCE))
     size = dict(QUICK, steps=3, eval_every=3, eval_size=16) if a.quick else {"progress": False}
     t0, prov, ledger = time.time(), provenance("main_job.py", argv), []
-    run_seeds(runs, range(n), ledger=ledger, threads=1, **size)
+    run_seeds(runs, range(n), ledger=ledger, reuse_any_code=a.reuse_any_code, threads=1, **size)
     per_seed = {k: summarize(load_run(runs / f"seed{k}")) for k in range(n)}
     seconds = time.time() - t0
     ref = make_reference(list(per_seed.values()), list(range(n)),

@@ -27,10 +27,13 @@ from scipy.stats import t as student_t
 
 REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reproduce_reference.json"
 LEVEL = 0.999
-# number → absolute floor of its band: round-off-level quantities (exact cancellation) get a
-# band of at least 1e-6 whatever their seed spread; accuracies and entropy none
-CHECKED = {"acc_last5": 0.0, "eval_accuracy_expected_final": 0.0, "rho_prefix": 1e-6,
-           "rho_trie": 1e-6, "shared_frac_prefix": 0.0, "tax_share": 1e-6, "entropy": 0.0}
+# number → (absolute floor of its band, the number's range): round-off-level quantities (exact
+# cancellation) get a band of at least ±1e-6 whatever their seed spread; bands are clipped to
+# the range a number can take (accuracies, ρ, shares in [0, 1]; entropy ≥ 0)
+UNIT = (0.0, 1.0)
+CHECKED = {"acc_last5": (0.0, UNIT), "eval_accuracy_expected_final": (0.0, UNIT),
+           "rho_prefix": (1e-6, UNIT), "rho_trie": (1e-6, UNIT), "shared_frac_prefix": (0.0, UNIT),
+           "tax_share": (1e-6, UNIT), "entropy": (0.0, (0.0, float("inf")))}
 
 
 def make_reference(summaries: list[pd.DataFrame], seeds: list[int], machine: dict) -> dict:
@@ -42,7 +45,7 @@ def make_reference(summaries: list[pd.DataFrame], seeds: list[int], machine: dic
     q = float(student_t.ppf(1 - (1 - LEVEL) / 2, n - 1)) * np.sqrt(1 + 1 / n)
     numbers = {}
     for obj in summaries[0]["objective"]:
-        for metric, floor in CHECKED.items():
+        for metric, (floor, (low, high)) in CHECKED.items():
             vals = [float(s.set_index("objective").loc[obj, metric]) for s in summaries
                     if metric in s.columns]
             if len(vals) != n:
@@ -50,7 +53,7 @@ def make_reference(summaries: list[pd.DataFrame], seeds: list[int], machine: dic
             mean, sd = float(np.mean(vals)), float(np.std(vals, ddof=1))
             half = max(q * sd, floor)
             numbers[f"{obj}/{metric}"] = {"values": vals, "mean": mean, "sd": sd,
-                                          "lo": mean - half, "hi": mean + half}
+                                          "lo": max(mean - half, low), "hi": min(mean + half, high)}
     return {"gradlab_reference": 1, "level": LEVEL, "seeds": list(seeds), "machine": machine,
             "numbers": numbers}
 
