@@ -80,9 +80,9 @@ def test_chunk_checkpoint_never_holds_full_logits(monkeypatch):
     handle.remove()
     M = int(batch[3].sum())  # 21 response tokens
     assert seen[0] == (batch[0].shape[0], 1, 257)  # the model's own call: logits_to_keep=1
-    heads = [s for s in seen[1:]]
-    assert all(len(s) == 2 and s[0] <= 4 for s in heads)  # (chunk, V)
-    assert sum(s[0] for s in heads) == 2 * M  # each chunk once forward, once recomputed
+    heads = [s for s in seen[1:]]  # the model's own output on one chunk: (1, chunk, V)
+    assert all(len(s) == 3 and s[0] == 1 and s[1] <= 4 for s in heads)
+    assert sum(s[1] for s in heads) == 2 * M  # each chunk once forward, once recomputed
 
 
 def test_real_vocabulary_logps_match_small_chunk_reference():
