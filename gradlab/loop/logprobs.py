@@ -205,7 +205,10 @@ def decoder(model) -> torch.nn.Module | None:
     try:
         body = get() if callable(get) else None
     except (AttributeError, NotImplementedError, ValueError):
-        return None
+        body = None
+    if not isinstance(body, torch.nn.Module) or not any(True for _ in body.children()):
+        # a leaf named "decoder" is an output projection (ModernBERT-decoder's), not the body
+        body = getattr(inner, "base_model", None)
     return body if isinstance(body, torch.nn.Module) and body is not inner else None
 
 

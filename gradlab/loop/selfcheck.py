@@ -14,6 +14,8 @@ that are not 1 on-policy).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -79,14 +81,16 @@ def measure(model, tokenizer, task, temperature: float = 1.0,
     problems = task.problems(PROBE_PROMPTS, seed=PROBE_SEED)
     new = min(PROBE_TOKENS, getattr(task, "max_new_tokens", PROBE_TOKENS) or PROBE_TOKENS)
     keys = torch.arange(PROBE_PROMPTS * PROBE_G) + PROBE_SEED
-    ro = generate(model, tokenizer, problems, G=PROBE_G, max_new_tokens=new,
-                  temperature=temperature, row_keys=keys)
+    with _fails("sampler", model):
+        ro = generate(model, tokenizer, problems, G=PROBE_G, max_new_tokens=new,
+                      temperature=temperature, row_keys=keys)
     batch = (ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-    ref = reference_logps(model, ro, temperature)
+    with _fails("reference", model):
+        ref = reference_logps(model, ro, temperature)
     was = model.training
     model.train(not keep_dropout)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _fails("training", model):
             grid = token_logps(model, *batch, temperature)
             chunked = token_logps(model, *batch, temperature, chunk=3)
     finally:
@@ -94,6 +98,19 @@ def measure(model, tokenizer, task, temperature: float = 1.0,
     m = ro.response_mask
     return {"sampler": _gap(ro.old_logps, ref, m), "training": _gap(grid, ref, m),
             "training-chunked": _gap(chunked, ref, m)}
+
+
+@contextlib.contextmanager
+def _fails(path: str, model):
+    """An exception inside `path`'s computation: `ModelRefused`, one line."""
+    try:
+        yield
+    except ModelRefused:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the model's code refuses it
+        line = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ModelRefused(f"--model: {architecture(model)} refused before any step: its "
+                           f"{path} forward fails ({type(e).__name__}: {line})") from None
 
 
 def self_check(model, tokenizer, task, temperature: float = 1.0, keep_dropout: bool = False,
