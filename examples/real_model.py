@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def train(folder: Path, task: Path | None, run: Path, a: argparse.Namespace) -> 
     if folder is not None:  # the real model; else the tiny default policy on its own task
         cmd += ["--model", str(folder), "--task", str(task), "--verifier", "math",
                 "--chat-template", "--max-new-tokens", str(a.max_new_tokens)]
+    shutil.rmtree(run, ignore_errors=True)  # this script's own previous run: a fresh one
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     subprocess.run(cmd, check=True)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB, the largest child

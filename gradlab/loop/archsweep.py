@@ -168,14 +168,92 @@ def _quiet():
         hf_logging.set_verbosity(level)
 
 
-if __name__ == "__main__":  # the sweep over the whole mapping, as a markdown table
-    import tempfile
+STATUS = {"pass": "runs", "refused": "refused at load", "no-tiny": "not swept"}
 
+
+def page(rows: list[dict]) -> str:
+    """The architectures page (docs/guides/architectures.md) from `sweep_one` rows."""
+    import transformers
+
+    n = {k: sum(r["status"] == k for r in rows) for k in ("pass", "refused", "no-tiny", "error")}
+    head = PAGE.format(version=transformers.__version__, total=len(rows), **n)
+    lines = ["| model type | status | why |", "|---|---|---|"]
+    for r in rows:
+        why = r.get("reason", "").replace("|", "\\|")
+        lines.append(f"| `{r['type']}` | {STATUS.get(r['status'], r['status'])} | {why} |")
+    return head + "\n".join(lines) + "\n"
+
+
+PAGE = """# Architectures
+
+gradlab's loop takes any decoder-only causal LM that transformers builds, or refuses it in one
+line before any step. This page lists every model type of transformers' causal-LM auto mapping
+(transformers {version}: {total} types) and what happens when a tiny random-weight model of that
+type goes through `gradlab tandem --model`: **{pass} run**, **{refused} are refused at load**,
+{no-tiny} are not swept (encoder-decoder models, or configurations the shared tiny recipe cannot
+make small).
+
+"runs" means, on the tiny model saved as a model folder and loaded as `--model` loads it:
+the load-time self-check passes (the sampler's log-probs and the training log-probs, on the
+(N, T, V) grid and chunked, equal the model's own forward within 1e-4 nats), a GRPO step has a
+non-zero gradient, and W measured by the backward hook equals the closed form. The table is
+the outcome of `tests/test_architectures.py`, which runs every row; regenerate the page with
+`python -m gradlab.loop.archsweep --page docs/guides/architectures.md`.
+
+## What gradlab does per architecture
+
+- **Logits are the model's own.** The training log-probs come from the model's own output
+  computation: the decoder runs once (found with `get_decoder()`, so OPT's
+  `model.decoder` and GPT-2's `transformer` are found too), and every chunk of hidden states
+  goes back through the model's forward after the decoder, so Cohere's `logit_scale`,
+  Granite's `logits_scaling` and Gemma 2's `final_logit_softcapping` are applied by the
+  model's code itself.
+- **Attention**: PyTorch SDPA where the architecture supports it, eager otherwise (Gemma 2,
+  gpt-oss, BLOOM, ...); `--attn eager|sdpa` forces one (`--attn sdpa` on an architecture
+  without SDPA support is an error naming it).
+- **Dropout is off** in every training and probe forward (every `nn.Dropout` and every
+  dropout rate of the modules and the config: `attention_dropout`, `resid_pdrop`, OPT's
+  `layerdrop`, ...), as RL trainers do: the training forward is then the same function as the
+  sampler's and the on-policy ratio is exactly 1. `--dropout` keeps the model's rates; the
+  training forward is then a random perturbation of the sampler's (GPT-2's 0.1 moves the
+  on-policy ratio by about 0.6 %, and GRPO's ρ no longer sits at the float floor).
+- **The load-time self-check** (always on, a few forwards on 2 prompts × 2 responses of up to
+  6 tokens): the sampler's log-probs, the training log-probs (grid and chunked) and the
+  model's own forward on each unpadded row must agree within 1e-4 nats in float32. Otherwise,
+  or when the model's code fails on one of them, the run stops with exit code 2 and one line:
+
+        gradlab tandem: error: --model: mamba (MambaForCausalLM) refused before any step: its
+        sampler log-probs differ from the model's own forward by 0.756 nats (> 0.0001); ...
+
+  Recurrent and hybrid models (Mamba, RWKV, Jamba, Qwen3-Next, ...) are refused this way:
+  gradlab's sampler carries a KV cache, not their recurrent state. Encoder families run as
+  decoders (RoBERTa, XLM-R) are refused because their position ids do not follow left padding.
+- **The learning tax's split** (`tax_share/<group>`) reads module types, not parameter names:
+  embedding, attention (and other sequence mixers), MLP (and mixture-of-experts blocks), norm,
+  LM head; a parameter under no module of a known role is counted in "other"
+  (`gradlab.probes.tax.unknown_modules` names their module types).
+
+## Every type of the mapping
+
+"""
+
+
+if __name__ == "__main__":  # the sweep over the whole mapping, as a markdown table
+    import argparse
+    import tempfile
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="tiny models of every causal-LM type, through gradlab")
+    ap.add_argument("types", nargs="*", help="model types (default: the whole mapping)")
+    ap.add_argument("--page", help="write the architectures page here")
+    a = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for t in (sys.argv[1:] or causal_lm_types()):
+    for t in (a.types or causal_lm_types()):
         with tempfile.TemporaryDirectory() as d:
             r = sweep_one(t, d)
         rows.append(r)
         print(f"| `{t}` | {r['status']} | {r.get('reason', '')} | {r['seconds']:.1f} |",
               flush=True)
+    if a.page:
+        Path(a.page).write_text(page(rows))
