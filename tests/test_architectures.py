@@ -184,3 +184,15 @@ def test_tax_groups_from_module_types():
     g = layer_groups(opt)
     assert g["model.decoder.layers.0.fc1.weight"] == "mlp"
     assert set(unknown_modules(opt)) <= {"Linear"}  # project_in/out: counted, not guessed
+
+
+def test_self_check_passes_on_the_default_policy_and_touches_no_rng():
+    """The check runs before every run: it must leave the global RNG and the model's mode as
+    they were (the shipped runs stay bitwise identical)."""
+    model, tok = load_policy()
+    model.train()
+    state = torch.random.get_rng_state()
+    gaps = self_check(model, tok, ArithmeticTask())
+    assert torch.equal(torch.random.get_rng_state(), state) and model.training
+    assert set(gaps) == {"sampler", "training", "training-chunked"}
+    assert max(gaps.values()) <= 1e-5

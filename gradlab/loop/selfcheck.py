@@ -28,8 +28,8 @@ PROBE_SEED = 9_177  # the check's prompts: task.problems(PROBE_PROMPTS, PROBE_SE
 PROBE_PROMPTS, PROBE_G, PROBE_TOKENS = 2, 2, 6
 
 _WHY = {
-    "sampler": "the KV-cache sampler does not reproduce the model's forward (a recurrent or "
-               "hybrid state the sampler does not carry?)",
+    "sampler": "gradlab's sampler (KV cache, left padding, position ids from the mask) does "
+               "not reproduce it",
     "training": "the batched training forward (left padding, position ids from the mask) "
                 "does not reproduce it",
     "training-chunked": "the chunked training log-probs do not reproduce it",
