@@ -169,23 +169,22 @@ def test_prepare_run_prompt_limit_chat_template_and_checkpointing(tmp_path):
 
 def test_grad_checkpointing_gives_the_same_gradients():
     from gradlab.loop.config import RunConfig
+    from gradlab.loop.policy import build_tokenizer
     from gradlab.loop.realmodel import prepare_run
+    from gradlab.loop.task import ArithmeticTask
 
     batch = _batch(257)
     grads = []
     for ckpt in (False, True):
         model = _qwen(257).train()
-        prepare_run(RunConfig(grad_checkpointing=ckpt, progress=False), model, None, _Task())
+        prepare_run(RunConfig(grad_checkpointing=ckpt, progress=False), model,
+                    build_tokenizer(), ArithmeticTask())  # the load-time check samples from it
         on = getattr(type(model), "is_activation_checkpointing", None)
         assert (on.fget(model) if on else model.is_gradient_checkpointing) == ckpt
         token_logps(model, *batch, chunk=4).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-class _Task:
-    max_new_tokens = 8
 
 
 def test_math_verifier(tmp_path, monkeypatch):
