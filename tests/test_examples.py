@@ -97,7 +97,7 @@ def test_real_model(tmp_path):
                       "--prompts", "2", "--G", "4", "--objectives", "grpo", "--max-new-tokens", "16",
                       cwd=tmp_path)
     rows = table(out, "model")
-    acc, rho, tax, step_s, peak = (float(x) for x in rows["smollm2-135m"][1:])
+    acc, rho, rho_trie, tax, step_s, peak = (float(x) for x in rows["smollm2-135m"][1:])
     assert 0 <= acc <= 1 and step_s > 0 and peak > 0.5  # 135M float32 parameters + AdamW
     cfg = json.loads((tmp_path / "r" / "smollm2-135m-instruct" / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["dtype"] == "float32"
