@@ -46,8 +46,8 @@ HELP = {
     "grad_checkpointing": "recompute activations in backward (model.gradient_checkpointing_enable)",
     "attn": "attention implementation: auto (SDPA where the architecture supports it, else "
             "eager), eager or sdpa",
-    "dropout": "keep the model's dropout in training and probe forwards (off by default: the "
-               "on-policy ratio is then exactly 1)",
+    "dropout": "keep the model's dropout in training and probe forwards (default: off, so the "
+               "training forward is the sampler's and the on-policy ratio is 1)",
     "verifier": "JSONL answers: exact (text after the last '=') or math (math-verify; "
                 "pip install gradlab[math])",
     "on_nonfinite": "a non-finite loss, gradient or parameter: stop (exit code 3) or skip the "

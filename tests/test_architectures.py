@@ -148,6 +148,19 @@ def test_attention_chosen_per_architecture(tmp_path):
     assert model.config._attn_implementation == "eager"
 
 
+def test_cli_attn_sdpa_on_bloom_is_one_line(tmp_path, capsys):
+    from gradlab.cli import main
+
+    folder = _tiny_folder(tmp_path, "bloom")
+    capsys.readouterr()
+    rc = main(["tandem", "--model", str(folder), "--attn", "sdpa", "--steps", "1",
+               "--out", str(tmp_path / "run"), "--no-progress"])
+    assert rc == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "gradlab tandem: error: --attn sdpa: bloom does not support SDPA attention "
+        "(use --attn eager or auto)"]
+
+
 def test_dropout_off_by_default_and_kept_on_request(tmp_path):
     """GPT-2 with its 0.1 dropouts: off after load (train-mode forward = eval forward, the
     self-check passes in train mode); `dropout=True` keeps it (train-mode forwards differ)."""

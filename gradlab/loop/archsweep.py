@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 import time
 import warnings
 

@@ -118,5 +118,7 @@ def _apply_arch_options(cfg, model) -> None:
             impl = choose_attn(model.config, attn)
             model.set_attn_implementation(impl)
         except (ValueError, ImportError) as e:
-            raise ConfigError(f"--attn {attn}: {str(e).splitlines()[0]}") from None
+            msg = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(msg if msg.startswith("--attn") else f"--attn {attn}: {msg}") \
+                from None
     set_dropout(model, keep=bool(getattr(cfg, "dropout", False)))
