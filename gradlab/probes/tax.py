@@ -153,7 +153,8 @@ def learning_tax(
     Returns (all figures are 0-dim tensors on the device — no host sync; `.item()` them once):
       tax_norm ‖g_tax‖, total_norm ‖g_total‖, tax_share ‖g_tax‖/‖g_total‖ (0 if g_total = 0),
       tax_cos cos(g_tax, g_total) (0 if either is 0), n_nodes (int),
-      groups {group: {the same four}}, g_tax {name: tensor like the param, loss-gradient sign}.
+      groups {group: {the same four, n_params}}, param_groups {name: group},
+      g_tax {name: tensor like the param, loss-gradient sign}.
     """
     check_logps(logps, "learning_tax")
     if not params:
@@ -192,6 +193,7 @@ def tax_report(tax: dict[str, Tensor], params: dict[str, Tensor],
     out = _norms(tax, g_total, names)
     out["groups"] = {g: {**_norms(tax, g_total, ns), "n_params": sum(tax[n].numel() for n in ns)}
                      for g, ns in by_group.items()}
+    out["param_groups"] = {n: groups.get(n, "other") for n in names}
     out["g_tax"] = tax
     return out
 
@@ -222,4 +224,6 @@ def reduce_tax(res: dict, model: torch.nn.Module, D) -> dict:
     """Data parallelism: sum each rank's g_tax over ranks (`D.sum`), then recompute the norms
     against the (already reduced) parameter gradients."""
     tax = {n: D.sum(g) for n, g in res["g_tax"].items()}
-    return tax_report(tax, dict(model.named_parameters()), None, layer_groups(model))
+    # a stand-in with parameters only (FSDP's gathered gradients): the groups res was made with
+    groups = layer_groups(model) if hasattr(model, "named_modules") else res.get("param_groups")
+    return tax_report(tax, dict(model.named_parameters()), None, groups)
