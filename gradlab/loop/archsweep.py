@@ -226,8 +226,8 @@ the outcome of `tests/test_architectures.py`, which runs every row; regenerate t
         sampler log-probs differ from the model's own forward by 0.756 nats (> 0.0001); ...
 
   Recurrent and hybrid models (Mamba, RWKV, Jamba, Qwen3-Next, ...) are refused this way:
-  gradlab's sampler carries a KV cache, not their recurrent state. Encoder families run as
-  decoders (RoBERTa, XLM-R) are refused because their position ids do not follow left padding.
+  gradlab's sampler carries a KV cache, not their recurrent state. Some encoder families run
+  as decoders (RoBERTa, XLM-R, CamemBERT) are refused on their sampler's log-probs.
 - **The learning tax's split** (`tax_share/<group>`) reads module types, not parameter names:
   embedding, attention (and other sequence mixers), MLP (and mixture-of-experts blocks), norm,
   LM head; a parameter under no module of a known role is counted in "other"
