@@ -44,6 +44,10 @@ HELP = {
     "max_prompt_len": "longest prompt in tokens (longer: an error naming the prompt)",
     "chat_template": "wrap prompts in the tokenizer's chat template",
     "grad_checkpointing": "recompute activations in backward (model.gradient_checkpointing_enable)",
+    "attn": "attention implementation: auto (SDPA where the architecture supports it, else "
+            "eager), eager or sdpa",
+    "dropout": "keep the model's dropout in training and probe forwards (default: off, so the "
+               "training forward is the sampler's and the on-policy ratio is 1)",
     "verifier": "JSONL answers: exact (text after the last '=') or math (math-verify; "
                 "pip install gradlab[math])",
     "on_nonfinite": "a non-finite loss, gradient or parameter: stop (exit code 3) or skip the "

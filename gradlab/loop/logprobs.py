@@ -4,9 +4,16 @@ training, the learning tax, drift and the probe set all call.
 Layout: prompts left-padded (N, P), responses right-padded (N, T); position ids come from the
 attention mask, so a left-padded row sees the positions of the unpadded sequence.
 
-Memory: logits never exceed LOGIT_BUDGET float32 entries (64 MiB) per chunk. The model body
-runs once; when N × T × V fits the budget the LM head runs on the (N, T, V) grid (the numerics
-of a plain forward, bit for bit). Otherwise the LM head and a selective log-softmax run over
+Exact by construction: the logits are always the model's own. The decoder (the module the
+model's forward calls for its final hidden states, found with `get_decoder()`) runs once; the
+logits of any set of hidden states come from the model's own forward with that decoder's output
+replaced by those hidden states (`output_logits`), so every final-logit transform the
+architecture applies after its LM head (Cohere's logit_scale, Granite's logits_scaling,
+Gemma 2's final_logit_softcapping, a float cast, ...) is applied by the model's code itself.
+
+Memory: logits never exceed LOGIT_BUDGET float32 entries (64 MiB) per chunk. When
+N × T × V fits the budget the output runs on the (N, T, V) grid (the numerics of a plain
+forward, bit for bit). Otherwise the model's output and a selective log-softmax run over
 the response tokens only (mask True), `chunk` tokens at a time, in float32 (from bf16 logits
 under autocast), in one autograd Function per chunk (`_SelectiveLogSoftmax`) that saves only
 the chunk's hidden states and logsumexp and recomputes its (chunk, V) logits in backward:
@@ -62,13 +69,14 @@ def token_logps(
                      return_entropy, return_logprobs, entropy_grad)
     h = _hidden(model, body, ids, mask)[:, prompt_ids.shape[1] - 1 :]  # (N, T + 1, H)
     N, T = response_ids.shape
-    c = chunk or max(1, LOGIT_BUDGET // head.out_features)
+    out_fn = _Output(model, body, head)
+    c = chunk or max(1, LOGIT_BUDGET // out_fn.vocab)
     if N * T <= c:  # fits one chunk: the plain computation on the (N, T, V) grid, same numerics
-        return _from_logits(head(h), response_ids, response_mask, temperature, return_entropy,
+        return _from_logits(out_fn(h), response_ids, response_mask, temperature, return_entropy,
                             False, entropy_grad)
     sel = response_mask.nonzero(as_tuple=True)  # only real response tokens reach the head
     hs, tok = h[:, :-1][sel], response_ids[sel]  # (M, H), (M,): position t predicts token t
-    parts = [_selective(head, hs[s : s + c], tok[s : s + c], temperature, return_entropy,
+    parts = [_selective(out_fn, hs[s : s + c], tok[s : s + c], temperature, return_entropy,
                         entropy_grad) for s in range(0, tok.numel(), c)]
     out = []
     for k in range(2 if return_entropy else 1):  # scatter back to (N, T), 0 where masked
@@ -101,27 +109,29 @@ def context_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     h = _hidden(model, body, ids, mask)[:, prompt_ids.shape[1] - 1 :]  # h[:, t] predicts token t
     hs = h[row, pos]  # (n, H)
     del h
-    c = chunk or max(1, LOGIT_BUDGET // head.out_features)
+    out_fn = _Output(model, body, head)
+    c = chunk or max(1, LOGIT_BUDGET // out_fn.vocab)
     for s in range(0, hs.shape[0], c):
-        yield s, F.log_softmax(head(hs[s : s + c]).float() / temperature, dim=-1)
+        yield s, F.log_softmax(out_fn(hs[s : s + c]).float() / temperature, dim=-1)
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """Log-probs of `tok` and the entropy from one (c, V) logits chunk, one exp pass for both.
 
-    Forward: z = head(hs) / temperature in float32; m = max z, e = exp(z − m), s = Σ e,
-    lse = m + log s, lp = z[tok] − lse, H = lse − (e · z) / s (= −Σ p log p). The entropy
-    reuses e: one dot product per row, no softmax, no second V-wide exp. Saved for backward:
-    hs (c, H), tok, lse, H — never the logits. Backward recomputes the chunk's logits (the LM
-    head under the forward's autocast state), p = exp(z − lse), and
-    dz = g_lp (onehot(tok) − p) − g_H p (z − E_p z), then the head's two matmuls.
+    Forward: z = out(hs) / temperature in float32 (`out` = the model's own output computation,
+    `_Output`); m = max z, e = exp(z − m), s = Σ e, lse = m + log s, lp = z[tok] − lse,
+    H = lse − (e · z) / s (= −Σ p log p). The entropy reuses e: one dot product per row, no
+    softmax, no second V-wide exp. Saved for backward: hs (c, H), tok, lse, H — never the
+    logits. Backward recomputes the chunk's logits with autograd (under the forward's autocast
+    state), p = exp(z − lse), dz = g_lp (onehot(tok) − p) − g_H p (z − E_p z), and pulls dz
+    back through the model's output computation to hs and the output's parameters.
     """
 
     @staticmethod
-    def forward(ctx, hs, weight, bias, head, tok, temperature, entropy, entropy_grad):
+    def forward(ctx, hs, tok, out, temperature, entropy, entropy_grad, *params):
         dev = hs.device.type
         ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        z = _chunk_logits(head, hs, temperature)  # (c, V) float32
+        z = _chunk_logits(out, hs, temperature)  # (c, V) float32
         m = z.amax(-1, keepdim=True)
         e = (z - m).exp_()
         s_ = e.sum(-1)
@@ -130,7 +140,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         ent = (lse - torch.bmm(e[:, None, :], z[:, :, None]).view(-1) / s_) if entropy \
             else lse.new_zeros(0)
         del z, e
-        ctx.head, ctx.temperature, ctx.ent_grad = head, temperature, entropy and entropy_grad
+        ctx.out, ctx.temperature, ctx.ent_grad = out, temperature, entropy and entropy_grad
         ctx.save_for_backward(hs, tok, lse, ent)
         if not ctx.ent_grad:
             ctx.mark_non_differentiable(ent)
@@ -139,43 +149,45 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hs, tok, lse, ent = ctx.saved_tensors
-        head = ctx.head
         dev, on, dtype = ctx.amp
-        with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
-            raw = head(hs)  # (c, V), the forward's dtype
-        z = raw.float()
-        if ctx.temperature != 1.0:
-            z = z / ctx.temperature
-        p = (z - lse[:, None]).exp_()  # softmax
-        if ctx.ent_grad:  # dH/dz = −p (z − E_p z), E_p z = lse − H
-            gz = p * (z.sub_((lse - ent)[:, None]).mul_(-g_ent[:, None]).sub_(g_lp[:, None]))
-        else:
-            gz = p.mul_(-g_lp[:, None])
-        del z
-        gz[torch.arange(tok.numel(), device=tok.device), tok] += g_lp
-        if ctx.temperature != 1.0:
-            gz.div_(ctx.temperature)
-        gz = gz.to(raw.dtype)
-        w = head.weight
-        g_hs = (gz @ w.to(raw.dtype)).to(hs.dtype) if ctx.needs_input_grad[0] else None
-        g_w = (gz.t() @ hs.to(raw.dtype)).to(w.dtype) if ctx.needs_input_grad[1] else None
-        g_b = gz.sum(0).to(head.bias.dtype) if head.bias is not None and ctx.needs_input_grad[2] \
-            else None
-        return g_hs, g_w, g_b, None, None, None, None, None
+        params = [p for p in ctx.out.params]
+        want = [hs.detach().requires_grad_(ctx.needs_input_grad[0])] + params
+        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+            raw = ctx.out(want[0])  # (c, V), the forward's dtype, with its graph
+        with torch.no_grad():
+            z = raw.detach().float()
+            if ctx.temperature != 1.0:
+                z = z / ctx.temperature
+            p = (z - lse[:, None]).exp_()  # softmax
+            if ctx.ent_grad:  # dH/dz = −p (z − E_p z), E_p z = lse − H
+                gz = p * (z.sub_((lse - ent)[:, None]).mul_(-g_ent[:, None]).sub_(g_lp[:, None]))
+            else:
+                gz = p.mul_(-g_lp[:, None])
+            del z
+            gz[torch.arange(tok.numel(), device=tok.device), tok] += g_lp
+            if ctx.temperature != 1.0:
+                gz.div_(ctx.temperature)
+        need = [ctx.needs_input_grad[0]] + [p.requires_grad for p in params]
+        inputs = [t for t, n in zip(want, need) if n]
+        grads = iter(torch.autograd.grad(raw, inputs, gz.to(raw.dtype), allow_unused=True)
+                     if inputs else [])
+        g = [next(grads) if n else None for n in need]
+        g = [None if x is None else x.to(t.dtype) for x, t in zip(g, want)]
+        return (g[0], None, None, None, None, None, *g[1:])
 
 
-def _chunk_logits(head, hs: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logits(out, hs: torch.Tensor, temperature: float) -> torch.Tensor:
     """(c, V) float32 logits / temperature of (c, H) hidden states (no copy at T = 1 in fp32)."""
-    z = head(hs).float()
+    z = out(hs).float()
     return z / temperature if temperature != 1.0 else z
 
 
-def _selective(head, hs: torch.Tensor, tok: torch.Tensor, temperature: float, entropy: bool,
+def _selective(out, hs: torch.Tensor, tok: torch.Tensor, temperature: float, entropy: bool,
                entropy_grad: bool = True):
     """(c,) log-probs of `tok` [and (c,) entropies] from (c, H) hidden states: the (c, V)
     logits live only inside `_SelectiveLogSoftmax` (forward, and recomputed in backward)."""
-    lp, ent = _SelectiveLogSoftmax.apply(hs, head.weight, head.bias, head, tok, temperature,
-                                         entropy, entropy_grad)
+    lp, ent = _SelectiveLogSoftmax.apply(hs, tok, out, temperature, entropy, entropy_grad,
+                                         *out.params)
     return (lp, ent) if entropy else (lp,)
 
 
@@ -184,23 +196,92 @@ def _grad_if(keep: bool):
     return contextlib.nullcontext() if keep else torch.no_grad()
 
 
+def decoder(model) -> torch.nn.Module | None:
+    """The module whose output holds the final hidden states that `model`'s forward feeds to
+    its LM head (`get_decoder()`: OPT's `model.decoder`, GPT-2's `transformer`, Mamba's
+    `backbone`, ...); None when the model has no separate one."""
+    inner = getattr(model, "module", model)  # DDP keeps the model in .module
+    get = getattr(inner, "get_decoder", None)
+    try:
+        body = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, ValueError):
+        body = None
+    if not isinstance(body, torch.nn.Module) or not any(True for _ in body.children()):
+        # a leaf named "decoder" is an output projection (ModernBERT-decoder's), not the body
+        body = getattr(inner, "base_model", None)
+    return body if isinstance(body, torch.nn.Module) and body is not inner else None
+
+
 def _body_and_head(model):
-    """(body, lm_head) of a Hugging Face causal LM (plain or DDP-wrapped), else (None, None).
+    """(decoder, LM head) of a Hugging Face causal LM (plain or DDP-wrapped), else (None, None).
 
     FSDP-sharded models take the plain path: their head parameters are only gathered inside
     the wrapped forward.
     """
-    inner = getattr(model, "module", model)  # DDP keeps the model in .module
-    body, head = getattr(inner, "model", None), getattr(inner, "lm_head", None)
+    inner = getattr(model, "module", model)
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    body = decoder(inner)
     try:
         from torch.distributed.fsdp import FSDPModule
         if isinstance(inner, FSDPModule) or isinstance(head, FSDPModule):
             return None, None
     except ImportError:  # pragma: no cover - torch without FSDP2
         pass
-    if not isinstance(body, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
+    if body is None or not isinstance(head, torch.nn.Module) or \
+            getattr(head, "weight", None) is None:
         return None, None
     return body, head
+
+
+class _Hidden(dict):
+    """What the decoder returns inside `_Output`: the given hidden states as
+    `last_hidden_state` (attribute, key and index 0); any other field (cache, attentions,
+    router logits, ...) is None."""
+
+    def __init__(self, h: torch.Tensor):
+        super().__init__(last_hidden_state=h)
+
+    def __getitem__(self, key):
+        return dict.get(self, "last_hidden_state") if key == 0 else dict.get(self, key)
+
+    def __getattr__(self, name):
+        return dict.get(self, name)
+
+
+class _Output:
+    """The model's own output computation as a function of final hidden states:
+    out(h) = model.forward with its decoder returning h ((…, H) → (…, V) logits, autograd
+    intact). `params`: the parameters it may use (the LM head's and any parameter of the model
+    outside the decoder, e.g. a learned logit scale)."""
+
+    def __init__(self, model, body: torch.nn.Module, head: torch.nn.Module):
+        self.model, self.body = getattr(model, "module", model), body
+        self.vocab = int(head.weight.shape[0])
+        inside = {id(p) for p in body.parameters()}
+        seen, params = set(), []
+        for p in list(head.parameters()) + [p for p in self.model.parameters()
+                                            if id(p) not in inside]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        self.params = params
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.dim() == 2
+        h3 = h[None] if flat else h  # (B, L, H)
+        own = self.body.__dict__.get("forward")  # an instance-level forward (accelerate hooks)
+        self.body.forward = lambda *a, **k: _Hidden(h3)  # instance attribute: shadows the class
+        try:
+            out = self.model(input_ids=torch.zeros(h3.shape[:2], dtype=torch.long,
+                                                   device=h3.device),
+                             use_cache=False, logits_to_keep=0)
+        finally:
+            if own is None:
+                del self.body.forward
+            else:
+                self.body.forward = own
+        return out.logits[0] if flat else out.logits
 
 
 def _hidden(model, body, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from .arch import choose_attn, set_dropout
 from .logprobs import token_logps
 from .rollout import encode_pairs, generate  # noqa: F401  (encode_pairs: re-exported)
 from .task import ArithmeticTask, ScaffoldTask
@@ -257,12 +258,17 @@ def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) ->
     return path
 
 
-def _load_folder(path: Path, device, attn: str = "sdpa", trust_remote_code: bool = False) -> tuple:
+def _load_folder(path: Path, device, attn: str = "auto", trust_remote_code: bool = False,
+                 dropout: bool = False) -> tuple:
     """(model, tokenizer) from a folder. float32 master weights whatever the stored dtype (a
     bf16 folder trained in bf16 loses small AdamW updates to rounding; `--amp` autocasts the
-    forward to bf16 instead, loop/precision.py); SDPA attention unless told (the toy policies use eager)."""
+    forward to bf16 instead, loop/precision.py); attention per `choose_attn` (the toy policies
+    use eager); dropout off unless `dropout` (`set_dropout`)."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    attn = choose_attn(config, attn)
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per tiny load is noise
     try:
@@ -272,6 +278,7 @@ def _load_folder(path: Path, device, attn: str = "sdpa", trust_remote_code: bool
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    set_dropout(model, keep=dropout)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:  # many HF LMs ship without a pad token
@@ -288,7 +295,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 def load_policy(
     path: str | Path | None = None, task=None, cache_dir: str | Path | None = None, device="cpu",
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False, attn: str = "auto", dropout: bool = False,
 ) -> tuple:
     """Load (model, tokenizer).
 
@@ -296,7 +303,9 @@ def load_policy(
         missing. path=None: the warm-started tiny policy for `task` (default ArithmeticTask(2)):
         the shipped gradlab/data/default_policy for the default task, otherwise warm-started on
         first use (seed 0) and cached under `cache_root(cache_dir)/<task.key>-seed0`.
-    The model is returned in eval mode on `device`. A folder that asks for remote code
+    The model is returned in eval mode on `device`, dropout off unless `dropout`
+    (`set_dropout`), attention per `attn` (`choose_attn`; the tiny policies use eager unless
+    forced). A folder that asks for remote code
     (auto_map) is refused unless trust_remote_code; pickle weights are read with
     weights_only=True only (loop/untrusted.py).
     """
@@ -306,17 +315,18 @@ def load_policy(
             raise FileNotFoundError(f"no Hugging Face model folder (config.json) at {path}")
         check_remote_code(path, trust_remote_code)
         check_pickles(path)
-        return _load_folder(path, device, trust_remote_code=trust_remote_code)
+        return _load_folder(path, device, attn, trust_remote_code, dropout)
+    attn = "eager" if attn == "auto" else attn  # the toy policies: exact under left padding
     key = task.key if task is not None else ArithmeticTask().key
     if key == ArithmeticTask().key and (DEFAULT_POLICY_DIR / "config.json").is_file():
-        return _load_folder(DEFAULT_POLICY_DIR, device, attn="eager")
+        return _load_folder(DEFAULT_POLICY_DIR, device, attn, dropout=dropout)
     if key == ScaffoldTask().key and (SCAFFOLD_POLICY_DIR / "config.json").is_file():
-        return _load_folder(SCAFFOLD_POLICY_DIR, device, attn="eager")
+        return _load_folder(SCAFFOLD_POLICY_DIR, device, attn, dropout=dropout)
     folder = cache_root(cache_dir) / f"{key}-seed0"
     if not (folder / "config.json").is_file():
         model, tokenizer, info = warm_start(task if task is not None else ArithmeticTask())
         save_policy(model, tokenizer, folder, info)
-    return _load_folder(folder, device, attn="eager")
+    return _load_folder(folder, device, attn, dropout=dropout)
 
 
 def make_default_policy(out_dir: str | Path = DEFAULT_POLICY_DIR) -> dict:

@@ -5,7 +5,11 @@ after `load_policy`, and returns the task the loop should draw prompts from.
 What gradlab does with a real model folder (docs/guides/real-models.md):
 - weights load as float32 master weights (bf16 folders included); `--amp` autocasts the
   forward passes to bf16 (any device, loop/precision.py), so AdamW updates fp32 weights;
-- attention is PyTorch SDPA; the KV cache and left padding are gradlab's own (rollout.py);
+- attention is PyTorch SDPA where the architecture supports it, eager otherwise (`--attn`
+  forces one, loop/arch.py); the KV cache and left padding are gradlab's own (rollout.py);
+- dropout is off in every training and probe forward unless `--dropout`;
+- before any step, the sampler's and the training forward's log-probs must equal the model's
+  own forward within 1e-4 nats, or the model is refused in one line (loop/selfcheck.py);
 - sampling is at `--temperature` over the full tokenizer vocabulary: the model's
   generation_config top-k / top-p / temperature are ignored (old_logps must be the model's own
   log-probs); every generation_config.eos_token_id ends a response.
@@ -67,8 +71,11 @@ def prepare_run(cfg, model, tokenizer, task):
     use (a `PromptTask` when a chat template or a prompt limit is in play, else `task`).
 
     Checks every prompt of a JSONL task up front (the error names its 0-based line index among
-    the file's problems), so an over-long prompt fails before the first rollout.
+    the file's problems), so an over-long prompt fails before the first rollout. Then applies
+    `--attn` and `--dropout` and runs the load-time self-check (`ModelRefused`, a ConfigError,
+    when the model's log-probs cannot be reproduced).
     """
+    _apply_arch_options(cfg, model)
     if getattr(cfg, "verifier", "exact") != "exact":
         from .task import set_verifier
         try:
@@ -94,4 +101,24 @@ def prepare_run(cfg, model, tokenizer, task):
     items = getattr(task, "_items", None)
     if items is not None:  # a JSONL task: all its prompts, before any allocation
         wrapped.check([replace(p, prompt=wrapped.format(p.prompt)) for p in items])
-    return wrapped if (chat or limit is not None) else task
+    out = wrapped if (chat or limit is not None) else task
+    from .selfcheck import self_check
+
+    self_check(model, tokenizer, out, cfg.temperature, keep_dropout=cfg.dropout)
+    return out
+
+
+def _apply_arch_options(cfg, model) -> None:
+    """--attn (when forced: the loaded model switches implementation) and --dropout."""
+    from .arch import choose_attn, set_dropout
+
+    attn = getattr(cfg, "attn", "auto")
+    if attn != "auto":
+        try:
+            impl = choose_attn(model.config, attn)
+            model.set_attn_implementation(impl)
+        except (ValueError, ImportError) as e:
+            msg = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(msg if msg.startswith("--attn") else f"--attn {attn}: {msg}") \
+                from None
+    set_dropout(model, keep=bool(getattr(cfg, "dropout", False)))

@@ -25,7 +25,9 @@ GROUPS = ("embed", "attn", "mlp", "head", "norm", "other")
 
 
 def group_of(name: str) -> str:
-    """Layer group of an HF Qwen3 (Llama-like) parameter name.
+    """Layer group of an HF Qwen3 (Llama-like) parameter name, for a bare {name: tensor} dict
+    without its model (`layer_groups` reads the module types instead and covers every
+    architecture).
 
     "norm": every RMSNorm weight (input/post-attention, q_norm/k_norm, the final norm);
     "embed": embed_tokens (with tied embeddings it is the head too); "head": lm_head;
@@ -40,9 +42,70 @@ def group_of(name: str) -> str:
     return "other"
 
 
+# Module roles from the module's type. A parameter takes the role of its own module when that
+# is a norm, an embedding or the LM head, else of its nearest attention / MLP ancestor
+# (Qwen3's q_norm inside the attention is a norm; a Linear inside an MLP is MLP).
+_ATTN_TYPES = ("Attention", "Attn", "Mixer")  # Mamba's mixer: the sequence mixing block
+_MLP_TYPES = ("MLP", "FeedForward", "FFN", "Moe", "MoE", "Experts", "Expert", "Router",
+              "Gate")
+
+
+def module_role(module: torch.nn.Module, head: torch.nn.Module | None = None) -> str | None:
+    """'embed', 'head', 'norm', 'attn', 'mlp' from the module's type; None for a module with no
+    role of its own (a Linear, a decoder layer, a container)."""
+    kind = type(module).__name__
+    if head is not None and module is head:
+        return "head"
+    if isinstance(module, torch.nn.Embedding):
+        return "embed"
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)) or \
+            "Norm" in kind:
+        return "norm"
+    if any(k in kind for k in _ATTN_TYPES):
+        return "attn"
+    if any(k in kind for k in _MLP_TYPES):
+        return "mlp"
+    return None
+
+
 def layer_groups(model: torch.nn.Module) -> dict[str, str]:
-    """{parameter name: group} for model.named_parameters() (see `group_of`)."""
-    return {name: group_of(name) for name, _ in model.named_parameters()}
+    """{parameter name: group} for model.named_parameters(), from module types (`module_role`):
+    embed, attn, mlp, norm, head, or "other" for a parameter under no module of a known role
+    (counted by `unknown_modules`). In a block with an attention child, a weight layer outside
+    any role (OPT's fc1/fc2) is the MLP. With tied embeddings the shared weight is "embed"."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    mods = dict(model.named_modules())
+    # a block with an attention child: its other weight layers are the MLP (OPT's fc1/fc2)
+    blocks = {n.rpartition(".")[0] for n, m in mods.items() if n and module_role(m) == "attn"}
+    roles: dict[str, str | None] = {"": None}
+    out = {}
+    for mname, m in mods.items():
+        own = module_role(m, head)
+        up = mname.rpartition(".")[0]
+        parent = roles.get(up) if mname else None
+        if own is None and parent is None and mname and up in blocks and \
+                any(True for _ in m.parameters(recurse=False)):
+            own = "mlp"
+        # own norm/embed/head wins; otherwise attention/MLP membership is inherited
+        roles[mname] = own if own in ("norm", "embed", "head") or parent is None or \
+            own is not None and parent not in ("attn", "mlp") else parent
+        for pname, _ in m.named_parameters(recurse=False):
+            out.setdefault(f"{mname}.{pname}" if mname else pname, roles[mname] or "other")
+    names = [n for n, _ in model.named_parameters()]
+    return {n: out.get(n, "other") for n in names}
+
+
+def unknown_modules(model: torch.nn.Module) -> dict[str, int]:
+    """{module type: parameter count} of the parameters `layer_groups` puts in "other"."""
+    groups = layer_groups(model)
+    mods = dict(model.named_modules())
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        if groups[name] == "other":
+            kind = type(mods.get(name.rpartition(".")[0], model)).__name__
+            out[kind] = out.get(kind, 0) + p.numel()
+    return out
 
 
 def residual_grad_outputs(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> Tensor:
@@ -90,7 +153,8 @@ def learning_tax(
     Returns (all figures are 0-dim tensors on the device — no host sync; `.item()` them once):
       tax_norm ‖g_tax‖, total_norm ‖g_total‖, tax_share ‖g_tax‖/‖g_total‖ (0 if g_total = 0),
       tax_cos cos(g_tax, g_total) (0 if either is 0), n_nodes (int),
-      groups {group: {the same four}}, g_tax {name: tensor like the param, loss-gradient sign}.
+      groups {group: {the same four, n_params}}, param_groups {name: group},
+      g_tax {name: tensor like the param, loss-gradient sign}.
     """
     check_logps(logps, "learning_tax")
     if not params:
@@ -127,7 +191,9 @@ def tax_report(tax: dict[str, Tensor], params: dict[str, Tensor],
     for n in names:
         by_group.setdefault(groups.get(n, "other"), []).append(n)
     out = _norms(tax, g_total, names)
-    out["groups"] = {g: _norms(tax, g_total, ns) for g, ns in by_group.items()}
+    out["groups"] = {g: {**_norms(tax, g_total, ns), "n_params": sum(tax[n].numel() for n in ns)}
+                     for g, ns in by_group.items()}
+    out["param_groups"] = {n: groups.get(n, "other") for n in names}
     out["g_tax"] = tax
     return out
 
@@ -158,4 +224,6 @@ def reduce_tax(res: dict, model: torch.nn.Module, D) -> dict:
     """Data parallelism: sum each rank's g_tax over ranks (`D.sum`), then recompute the norms
     against the (already reduced) parameter gradients."""
     tax = {n: D.sum(g) for n, g in res["g_tax"].items()}
-    return tax_report(tax, dict(model.named_parameters()), None, layer_groups(model))
+    # a stand-in with parameters only (FSDP's gathered gradients): the groups res was made with
+    groups = layer_groups(model) if hasattr(model, "named_modules") else res.get("param_groups")
+    return tax_report(tax, dict(model.named_parameters()), None, groups)
