@@ -134,8 +134,9 @@ def per_run(tidy: pd.DataFrame, runs: Path, split: list) -> pd.DataFrame:
 def pairs(seeds: pd.DataFrame) -> list[tuple[dict, dict, bool]]:
     """The primary pairs and the exploratory ones (layout − independent, others − GSPO)."""
     out = []
-    for (task, layout, matched), d in seeds.groupby(["task", "layout", "matched"], sort=False):
-        key = dict(experiment=EXPERIMENT, task=task, layout=layout, matched=matched)
+    for (exp, task, layout, matched), d in seeds.groupby(["experiment", "task", "layout", "matched"],
+                                                         sort=False):
+        key = dict(experiment=exp, task=task, layout=layout, matched=matched)
         objs = list(dict.fromkeys(d["objective"]))
         declared = set(PRIMARY)
         out += [({**key, "objective": a}, {**key, "objective": b}, True)
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="reuse finished runs whatever code made them (recorded in the .json)")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own "
                    "process with one torch thread (default 1)")
+    p.add_argument("--name", default=EXPERIMENT, help="the experiment's name: its files "
+                   "(NAME.md, NAME_seeds.csv, …) and its rows in comparisons.csv (default "
+                   f"{EXPERIMENT})")
     p.add_argument("--from-csv", help="re-analyse the per-run values of an earlier "
                    "tree_tandem.csv instead of training (no provenance: said in the outputs)")
     a = p.parse_args(argv)
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             seeds = range(int(per_task.get(task, default)))
             parts.append(train_and_measure(a, task, seeds, objs, runs, ledger))
         wide = pd.concat(parts, ignore_index=True)
-    seeds_df = wide.assign(experiment=EXPERIMENT)
+    seeds_df = wide.assign(experiment=a.name)
     seeds_df = seeds_df[comparisons.SEED_KEYS + [c for c in wide.columns if c not in comparisons.SEED_KEYS]]
     rows = comparisons.compare(seeds_df, pairs(seeds_df))
     seconds = time.time() - t0
@@ -282,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, prov: dict,
                   ledger: list, seconds: float, a) -> None:
-    """tree_tandem.{md,csv,json,png}, tree_tandem_seeds.csv and the comparisons.csv rows."""
+    """NAME.{md,csv,json,png}, NAME_seeds.csv and the comparisons.csv rows (NAME: --name)."""
+    name = a.name
     out.mkdir(parents=True, exist_ok=True)
     n_seeds = seeds_df.groupby("task")["seed"].nunique().to_dict()
     source = (f"re-analysed from `{a.from_csv}` (runs made before runs recorded their code; "
@@ -296,21 +301,21 @@ def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, prov: d
           "## Primary comparisons (declared before the runs)", "", comparisons.markdown(primary), "",
           "## Per objective", "", table(seeds_df, rows).to_markdown(index=False), "",
           "## Exploratory comparisons", "", comparisons.markdown(rows[~rows["primary"]]), ""]
-    (out / "tree_tandem.md").write_text("\n".join(md) + "\n")
+    (out / f"{name}.md").write_text("\n".join(md) + "\n")
     gen = seeds_df[seeds_df["matched"] == "generated_tokens"].drop(columns=["experiment", "matched"])
     gen.melt(id_vars=["task", "layout", "seed", "objective"], var_name="metric").to_csv(
-        out / "tree_tandem.csv", index=False)
-    seeds_df.to_csv(out / f"{EXPERIMENT}_seeds.csv", index=False)
-    comparisons.write(rows, EXPERIMENT, out / "comparisons.csv")
-    old_meta = out / "tree_tandem.json"
+        out / f"{name}.csv", index=False)
+    seeds_df.to_csv(out / f"{name}_seeds.csv", index=False)
+    comparisons.write(rows, name, out / "comparisons.csv")
+    old_meta = out / f"{name}.json"
     made_by = None  # the runs' own provenance, when re-analysing them
     if a.from_csv and old_meta.exists():
         meta = json.loads(old_meta.read_text())
         made_by = meta.get("runs_made_by") or meta.get("provenance")
-    write_meta(out / "tree_tandem.json", prov, seeds=n_seeds, seconds=round(seconds),
+    write_meta(out / f"{name}.json", prov, seeds=n_seeds, seconds=round(seconds),
                layouts=LAYOUTS, primary=PRIMARY, runs=ledger,
                source=a.from_csv or str(a.runs or "runs/tree_tandem"), runs_made_by=made_by)
-    figure(seeds_df, out / "tree_tandem.png")
+    figure(seeds_df, out / f"{name}.png")
     print("\n".join(md))
 
 
