@@ -360,18 +360,30 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gradlab check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--update", action="store_true", help="rewrite the baseline")
-    p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
-                                      "none unless given)")
-    p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
-    p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
-                   help="for --loss: must it cancel everywhere (default), show a residual "
-                        "somewhere, or only match the baseline")
-    p.add_argument("--only", help="only scenarios whose name contains this string")
-    p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+    from .cli import Parser, _check_args  # one definition of the options, shared with `gradlab check`
+
+    p = Parser(prog="gradlab check", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    _check_args(p)
     return p
+
+
+def read_baseline(path: Path | None, update: bool) -> dict:
+    """The baseline at `path` ({} for none); a missing file is an error unless --update writes it."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        if update:
+            return {}
+        raise ValueError(f"--baseline: {path} does not exist (--update writes a new one)")
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--baseline: {path} is not readable JSON ({e})") from None
+    if not isinstance(base, dict) or not isinstance(base.get("scenarios", {}), dict):
+        raise ValueError(f"--baseline: {path} is not a gradlab check baseline (a JSON object "
+                         "with 'scenarios')")
+    return base
 
 
 def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: dict,
@@ -390,8 +402,14 @@ def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = _parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # `check -- --update`
+    return run_checked(_parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv))
+
+
+def run_checked(a: argparse.Namespace) -> int:
+    """`gradlab check` with parsed options: exit code 0 pass, 1 a violation, 2 bad arguments."""
+    path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
     try:
+        base = read_baseline(path, a.update)
         scenarios = user_scenarios(a.loss, a.expect) if a.loss else builtin_scenarios()
         if a.loss and a.update and not a.baseline:
             raise ValueError("--update with --loss needs --baseline PATH (your own file)")
@@ -405,8 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     if not scenarios:
         print(f"gradlab check: error: no scenario matches --only {a.only!r}", file=sys.stderr)
         return 2
-    path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
-    base = json.loads(path.read_text()) if path and path.is_file() else {}
     tol = base.get("tolerance", DEFAULT_TOL)
     try:
         results, fp = run(scenarios)
@@ -427,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"gradlab check: all {len(results)} scenarios pass")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
