@@ -108,3 +108,53 @@ def test_index_and_api_pages_render_in_headless_chromium(site):
     title, text, errors, _ = seen["/reference/api/core/"]
     assert not errors, errors
     assert "TokenBatch" in text and "shared_nodes" in text and "Min-Replace" in text
+
+
+def test_concept_pages_typeset_their_formulas_offline(site):
+    """The formulas are typeset by KaTeX served from the site: with every request outside the
+    local server refused, a concept page shows rendered math, no raw TeX and no console error."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium binary (.ci/run installs it: apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    outside, seen = [], {}
+
+    def only_local(route):  # the network is off: only the site's own server answers
+        if route.request.url.startswith(base):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+            try:
+                for path in ("/concepts/shared-nodes/", "/concepts/ibpo/"):
+                    pg = browser.new_page()
+                    pg.route("**/*", only_local)
+                    errors = []
+                    pg.on("console", lambda m, e=errors: e.append(m.text) if m.type == "error" else None)
+                    pg.on("pageerror", lambda x, e=errors: e.append(str(x)))
+                    pg.goto(base + path, wait_until="networkidle")
+                    pg.wait_for_selector("article .katex", timeout=10_000)
+                    seen[path] = (errors, pg.eval_on_selector_all("article .katex-display", "e => e.length"),
+                                  pg.eval_on_selector_all("article .katex", "e => e.length"),
+                                  pg.eval_on_selector_all("article .katex-error", "e => e.length"),
+                                  pg.inner_text("article"))
+                    pg.close()
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+    assert not outside, outside
+    for path, (errors, display, inline, bad, text) in seen.items():
+        assert not errors, (path, errors)
+        assert display >= 1 and inline >= 10 and bad == 0, (path, display, inline, bad)
+        assert "\\frac" not in text and "\\sum" not in text, path  # no TeX left as text
