@@ -255,6 +255,14 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked (importlib.metadata costs ~0.2 s at every start)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"gradlab {version()}")
+        parser.exit(0)
+
+
 ROLLOUTS = ("independent", "tree", "repair")  # gradlab.loop.variance.ROLLOUTS (torch-free copy)
 VARIANCE_OBJECTIVES = "grpo,gspo,dfpo-min,dfpo-orth,ibpo[form=ga],ibpo[form=la],ibpo[form=ga+la],ibpo[form=togo],ibpo[base=gspo]"
 
@@ -360,7 +368,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 def build_parser() -> Parser:
     p = Parser(prog="gradlab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"gradlab {version()}")
+    p.add_argument("--version", action=_Version, nargs=0, help="show gradlab's version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p.commands = {}
     for name, (help, add_args, fn) in COMMANDS.items():
