@@ -360,7 +360,9 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import Parser, _check_args  # one definition of the options, shared with `gradlab check`
+    # one definition of the options, shared with `gradlab check`
+    from .cli import Parser
+    from .cli_args import _check_args
 
     p = Parser(prog="gradlab check", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -17,6 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 
+from .cli_args import (
+    _audit_args,
+    _check_args,
+    _doctor_args,
+    _table_args,
+    _variance_args,
+    _view_args,
+)
+
 # torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
 from .core.variants import split_top
 from .loop.config import ConfigError, RunConfig
@@ -143,7 +152,7 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
 
 def _checked_config(a: argparse.Namespace) -> RunConfig:
     """RunConfig from the options (validated), the device and --model checked: before any work."""
-    from .cli_checks import check_device, check_model
+    from .cli_args import check_device, check_model
 
     cfg = config_from_args(a, [a.objective] if getattr(a, "objective", None) else None)
     if a.resume:  # options not typed are the stored ones (loop/resume.py)
@@ -185,17 +194,10 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
 IBPO_ROWS = ["ibpo[form=la]", "ibpo[form=togo]", "ibpo[form=ga+la,base=gspo]"]
 
 
-def _table_args(p: Parser) -> None:
-    p.add_argument("--G", type=int, default=8, help="responses per group (≥ 2; default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic groups (≥ 0)")
-    p.add_argument("--off-policy", type=float, default=0.3,
-                   help="log-ratio scale of the off-policy rows (> 0; default 0.3)")
-
-
 @command("table", "ρ of every objective on synthetic groups", _table_args)
 def cmd_table(a: argparse.Namespace) -> int:
     """Cancellation ratio of every built-in objective on synthetic groups (no model needed)."""
-    from .cli_checks import require
+    from .cli_args import require
 
     require("G", a.G, a.G >= 2, "≥ 2 (a group needs two responses to compare)")
     require("seed", a.seed, a.seed >= 0, "≥ 0")
@@ -218,17 +220,9 @@ def cmd_table(a: argparse.Namespace) -> int:
     return 0
 
 
-def _view_args(p: Parser) -> None:
-    p.add_argument("run", help="run folder")
-    p.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
-    p.add_argument("--watch", type=float, default=0, metavar="SECONDS",
-                   help="re-write the page every SECONDS while the run trains (the page "
-                        "reloads itself) until every step is checkpointed, or Ctrl-C")
-
-
 @command("view", "one self-contained HTML page of a run (curves, token strips)", _view_args)
 def cmd_view(a: argparse.Namespace) -> int:
-    from .cli_checks import check_run_folder, require
+    from .cli_args import check_run_folder, require
 
     require("watch", a.watch, a.watch >= 0, "≥ 0 seconds (0 = write once)")
     check_run_folder(a.run, need_metrics=not a.watch)
@@ -263,33 +257,10 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
-ROLLOUTS = ("independent", "tree", "repair")  # gradlab.loop.variance.ROLLOUTS (torch-free copy)
-VARIANCE_OBJECTIVES = "grpo,gspo,dfpo-min,dfpo-orth,ibpo[form=ga],ibpo[form=la],ibpo[form=ga+la],ibpo[form=togo],ibpo[base=gspo]"
-
-
-def _variance_args(p: Parser) -> None:
-    p.add_argument("--task", default="arithmetic", help="'arithmetic', 'scaffold' or a .jsonl file")
-    p.add_argument("--objectives", default=VARIANCE_OBJECTIVES,
-                   help="comma-separated, with parameters as for tandem: 'grpo,ibpo[form=ga+la]'")
-    p.add_argument("--K", type=int, default=32, help="rollout batches whose gradients give the "
-                   "noise and its bootstrap interval (≥ 2; default 32)")
-    p.add_argument("--reference-batches", type=int, default=128,
-                   help="further batches whose mean gradient is the reference (≥ 2; default 128)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per batch (the same in every batch)")
-    p.add_argument("--G", type=int, default=8, help="responses per prompt (≥ 2)")
-    p.add_argument("--rollout", default="independent", choices=ROLLOUTS, help="rollout layout")
-    p.add_argument("--checkpoint", default=None, help="a run's checkpoints/<objective> folder or "
-                   "a Hugging Face model folder (default: the task's shipped warm start)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/variance", help="folder for variance.csv, variance.png "
-                   "and summary.md")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
-
-
 @command("variance", "gradient noise of each objective at a fixed policy", _variance_args)
 def cmd_variance(a: argparse.Namespace) -> int:
     """Gradient noise of each objective at a fixed policy: OUT/variance.csv, variance.png, summary.md."""
-    from .cli_checks import check_variance_args
+    from .cli_args import check_variance_args
 
     names = check_variance_args(a)
     from pathlib import Path
@@ -315,29 +286,11 @@ def cmd_variance(a: argparse.Namespace) -> int:
     return 0
 
 
-def _check_args(p: Parser) -> None:
-    p.add_argument("--update", action="store_true", help="rewrite the baseline")
-    p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
-                                      "none unless given)")
-    p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
-    p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
-                   help="for --loss: must it cancel everywhere (default), show a residual "
-                        "somewhere, or only match the baseline")
-    p.add_argument("--only", help="only scenarios whose name contains this string")
-    p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
-
-
 @command("check", "regression check of cancellation residuals vs a baseline", _check_args)
 def cmd_check(a: argparse.Namespace) -> int:
     from .check import run_checked
 
     return run_checked(a)
-
-
-def _audit_args(p: Parser) -> None:
-    p.add_argument("trainer", choices=["trl", "verl"], help="the trainer to audit "
-                   "(its options: gradlab audit TRAINER --help)")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 @command("audit", "audit a trainer's loss settings (gradlab audit trl | verl)", _audit_args)
@@ -347,15 +300,6 @@ def cmd_audit(a: argparse.Namespace) -> int:
     module = {"trl": "gradlab.integrations.trl_audit", "verl": "gradlab.integrations.verl_audit"}
     argv = (["trl"] if a.trainer == "trl" else []) + a.rest  # trl_audit names its trainer itself
     return importlib.import_module(module[a.trainer]).main(argv)
-
-
-def _doctor_args(p: Parser) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when "
-                   "present; default auto)")
-    p.add_argument("--out", default=None, help="also write the Markdown report to this file "
-                   "(default: printed only)")
-    p.add_argument("--no-loop", dest="loop", action="store_false",
-                   help="skip the one-step training run")
 
 
 @command("doctor", "check that gradlab works on this machine (device, bf16, W exactness, a "
@@ -400,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["check", "--"]:  # `gradlab check -- --update`
         argv = ["check", *argv[2:]]
+    if argv[:1] in (["check"], ["doctor"]) and {"-h", "--help"} & set(argv):
+        return _long_help(argv[0], argv[1:])  # their help is their module's docstring
     p = build_parser()
     args, extra = p.parse_known_args(argv)
     if extra:  # named by the sub-command, whose --help lists its options
@@ -410,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # raised by the argument checks before any work
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _long_help(cmd: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(f"gradlab.{cmd}").main(argv)
 
 
 def _run(args: argparse.Namespace, program: bool) -> int:

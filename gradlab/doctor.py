@@ -265,7 +265,9 @@ def report(checks: list[Check], facts: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import Parser, _doctor_args  # one definition of the options, shared with the CLI
+    # one definition of the options, shared with `gradlab doctor`
+    from .cli import Parser
+    from .cli_args import _doctor_args
 
     p = Parser(prog="gradlab doctor", description="Check that gradlab works on this machine "
                "(device, bf16 autocast, W exactness, amp bounds, a training step) and print a "

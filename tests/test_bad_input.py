@@ -128,7 +128,7 @@ import sys  # noqa: E402
 from gradlab.cli import COMMANDS, main  # noqa: E402
 
 
-def _folders(tmp: "Path") -> dict:
+def _folders(tmp) -> dict:
     corrupt, empty, bare, unknown = (tmp / n for n in ("corrupt", "empty", "bare", "unknown"))
     for d in (corrupt, empty, bare, unknown):
         d.mkdir()
@@ -194,7 +194,7 @@ def test_cli_bad_input_is_one_line_naming_the_mistake(cmd, args, expect, tmp_pat
 def test_help_version_and_argument_errors_do_not_import_torch():
     code = ("import sys\nfrom gradlab.cli import main\n"
             "for argv in (['--help'], ['--version'], ['run', 'grpo', '--step', '3'], "
-            "['table', '--G', 'x'], ['check', '--help'], ['doctor', '--bogus'], ['audit', 'foo'], "
+            "['table', '--G', 'x'], ['check', '--bogus'], ['doctor', '--bogus'], ['audit', 'foo'], "
             "['tandem', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules))")
@@ -204,7 +204,7 @@ def test_help_version_and_argument_errors_do_not_import_torch():
 
 
 def test_cli_copies_of_variance_choices_match_the_module():
-    from gradlab.cli import ROLLOUTS, VARIANCE_OBJECTIVES
+    from gradlab.cli_args import ROLLOUTS, VARIANCE_OBJECTIVES
     from gradlab.loop import variance
 
     assert ROLLOUTS == variance.ROLLOUTS

@@ -9,9 +9,9 @@ import matplotlib
 matplotlib.use("Agg")  # headless by default; notebooks switch back with %matplotlib inline
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 CURVES = [
     ("accuracy", "training accuracy"),

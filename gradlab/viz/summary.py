@@ -28,17 +28,14 @@ def run_rows(tidy: pd.DataFrame, last: int = LAST) -> pd.DataFrame:
     rows = []
     for obj, d in tidy.groupby("objective", sort=False):
         wide = d.pivot_table(index="step", columns="metric", values="value")
-
-        def col(m: str) -> pd.Series:
-            return wide[m].dropna() if m in wide else pd.Series(dtype=float)
-
-        reward = col("reward")
-        held = col("eval_accuracy")
+        col = {m: wide[m].dropna() if m in wide else pd.Series(dtype=float)
+               for m in ("reward", "eval_accuracy", "rho_trie", "rho_prefix", "tax_share")}
+        reward, held = col["reward"], col["eval_accuracy"]
         rows.append({"objective": obj, "steps": int(wide.index.max()) + 1 if len(wide) else 0,
                      "reward": reward.tail(last).mean() if len(reward) else math.nan,
                      "heldout": held.iloc[-1] if len(held) else math.nan,
-                     "rho_trie": col("rho_trie").mean(), "rho_prefix": col("rho_prefix").mean(),
-                     "tax_share": col("tax_share").mean()})
+                     "rho_trie": col["rho_trie"].mean(), "rho_prefix": col["rho_prefix"].mean(),
+                     "tax_share": col["tax_share"].mean()})
     return pd.DataFrame(rows)
 
 

@@ -1,7 +1,9 @@
-"""Argument checks of the `gradlab` sub-commands that need the file system or torch.
+"""The options of the `gradlab` sub-commands other than run/tandem/reproduce (whose options are
+RunConfig's fields, gradlab/cli.py), and the argument checks that need the file system or torch.
 
-Each raises `ConfigError` with one line naming the option and its valid values; the CLI prints
-it and exits 2. They run before any work (no model is loaded, nothing is written).
+Each check raises `ConfigError` with one line naming the option and its valid values; the CLI
+prints it and exits 2. They run before any work (no model is loaded, nothing is written).
+Nothing here imports torch at module level: `gradlab --help` stays fast.
 """
 
 from __future__ import annotations
@@ -12,6 +14,71 @@ from pathlib import Path
 
 from .core.variants import split_top
 from .loop.config import ConfigError
+
+
+def _table_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--G", type=int, default=8, help="responses per group (≥ 2; default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic groups (≥ 0)")
+    p.add_argument("--off-policy", type=float, default=0.3,
+                   help="log-ratio scale of the off-policy rows (> 0; default 0.3)")
+
+
+def _view_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run folder")
+    p.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
+    p.add_argument("--watch", type=float, default=0, metavar="SECONDS",
+                   help="re-write the page every SECONDS while the run trains (the page "
+                        "reloads itself) until every step is checkpointed, or Ctrl-C")
+
+
+ROLLOUTS = ("independent", "tree", "repair")  # gradlab.loop.variance.ROLLOUTS (torch-free copy)
+VARIANCE_OBJECTIVES = "grpo,gspo,dfpo-min,dfpo-orth,ibpo[form=ga],ibpo[form=la],ibpo[form=ga+la],ibpo[form=togo],ibpo[base=gspo]"
+
+
+def _variance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="arithmetic", help="'arithmetic', 'scaffold' or a .jsonl file")
+    p.add_argument("--objectives", default=VARIANCE_OBJECTIVES,
+                   help="comma-separated, with parameters as for tandem: 'grpo,ibpo[form=ga+la]'")
+    p.add_argument("--K", type=int, default=32, help="rollout batches whose gradients give the "
+                   "noise and its bootstrap interval (≥ 2; default 32)")
+    p.add_argument("--reference-batches", type=int, default=128,
+                   help="further batches whose mean gradient is the reference (≥ 2; default 128)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch (the same in every batch)")
+    p.add_argument("--G", type=int, default=8, help="responses per prompt (≥ 2)")
+    p.add_argument("--rollout", default="independent", choices=ROLLOUTS, help="rollout layout")
+    p.add_argument("--checkpoint", default=None, help="a run's checkpoints/<objective> folder or "
+                   "a Hugging Face model folder (default: the task's shipped warm start)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/variance", help="folder for variance.csv, variance.png "
+                   "and summary.md")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--update", action="store_true", help="rewrite the baseline")
+    p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
+                                      "none unless given)")
+    p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
+    p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
+                   help="for --loss: must it cancel everywhere (default), show a residual "
+                        "somewhere, or only match the baseline")
+    p.add_argument("--only", help="only scenarios whose name contains this string")
+    p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+
+
+def _audit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trainer", choices=["trl", "verl"], help="the trainer to audit "
+                   "(its options: gradlab audit TRAINER --help)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when "
+                   "present; default auto)")
+    p.add_argument("--out", default=None, help="also write the Markdown report to this file "
+                   "(default: printed only)")
+    p.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="skip the one-step training run")
 
 
 def require(option: str, value: object, ok: bool, valid: str) -> None:
