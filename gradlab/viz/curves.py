@@ -47,10 +47,12 @@ def panels(tidy: pd.DataFrame, metrics=CURVES) -> list[tuple[str, str]]:
 
 
 def _sampled_every(tidy: pd.DataFrame, m: str) -> int:
-    """k when metric m is measured every k > 1 steps (e.g. --tax-every), else 1."""
+    """k when metric m is measured every k > 1 steps (e.g. --tax-every), 0 when at one step
+    only while the run has more, else 1 (every step)."""
     steps = sorted(set(tidy.loc[tidy["metric"] == m, "step"].dropna().astype(int)))
-    return int(np.median(np.diff(steps))) if len(steps) > 1 and (
-        len(steps) < tidy["step"].nunique()) else 1
+    if len(steps) >= tidy["step"].nunique():
+        return 1
+    return int(np.median(np.diff(steps))) if len(steps) > 1 else 0
 
 
 def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
@@ -88,7 +90,7 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
                          hue_order=objs, style_order=objs, dashes=dashes, legend=False)
         else:  # measured every k steps: points at those steps, nothing in between
             _points(ax, d, x, objs, palette, "o")
-            label += f" (measured every {k} steps)"
+            label += f" (measured every {k} steps)" if k else " (measured at one step)"
         if m == "accuracy" and HELDOUT in set(tidy["metric"]):
             _points(ax, tidy[tidy["metric"] == HELDOUT], x, objs, palette, "D")
             label = label.replace("training accuracy", "accuracy: training (lines)") + ", held-out (◆)"
@@ -101,6 +103,11 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
         ax.set_ylabel("")
         if x == "step":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    xs = tidy[x].dropna() if x in tidy else pd.Series(dtype=float)
+    for ax in list(axes.flat)[: len(have)]:
+        if len(xs) and xs.min() < xs.max():  # every panel spans the whole run, points included
+            pad = 0.03 * (xs.max() - xs.min())
+            ax.set_xlim(xs.min() - pad, xs.max() + pad)
     for ax in list(axes.flat)[len(have):]:
         ax.set_visible(False)
     _legend(fig, objs, palette, dashes, any(m in log for m, _ in have), floor,
