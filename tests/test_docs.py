@@ -158,3 +158,28 @@ def test_concept_pages_typeset_their_formulas_offline(site):
         assert not errors, (path, errors)
         assert display >= 1 and inline >= 10 and bad == 0, (path, display, inline, bad)
         assert "\\frac" not in text and "\\sum" not in text, path  # no TeX left as text
+
+
+def _shell_commands(path: Path) -> list[str]:
+    """The `gradlab ...` command lines of a page's bash blocks (continuations joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+    text = "\n".join(blocks).replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("gradlab ")]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_tour_commands_parse_and_paste_in_zsh(page):
+    """Every `gradlab` command the page prints is accepted by the parser, and a bracketed
+    objective list is quoted (zsh, the macOS shell, expands an unquoted one as a glob)."""
+    import shlex
+
+    commands = _shell_commands(ROOT / page)
+    assert len(commands) >= 3, commands
+    for cmd in commands:
+        for word in shlex.split(cmd, comments=True, posix=False):
+            assert "[" not in word or word[0] in "'\"", (page, cmd)
+        argv = shlex.split(cmd, comments=True)[1:]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:  # --version / --help exit 0 after printing
+            assert e.code == 0, f"{page}: {cmd!r} is refused by the parser"
