@@ -183,3 +183,20 @@ def test_tour_commands_parse_and_paste_in_zsh(page):
             build_parser().parse_args(argv)
         except SystemExit as e:  # --version / --help exit 0 after printing
             assert e.code == 0, f"{page}: {cmd!r} is refused by the parser"
+
+
+def test_docs_references_in_code_name_existing_pages_and_anchors(site):
+    """Docstrings, messages and notebooks point at documentation pages (docs/…/page.md#anchor):
+    each page exists and each anchor is a heading id on the built page."""
+    ref = re.compile(r"docs/([A-Za-z0-9_/.-]+?)\.md(?:#([a-z0-9-]+))?")
+    files = [p for d in ("gradlab", "analyses", "examples", "notebooks")
+             for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".ipynb")]
+    seen = set()
+    for f in files:
+        for page, anchor in ref.findall(f.read_text()):
+            seen.add((page, anchor))
+            assert (ROOT / "docs" / f"{page}.md").is_file(), (f.name, page)
+            if anchor:
+                built = site / (page[: -len("index")] if page.endswith("index") else page + "/") / "index.html"
+                assert f'id="{anchor}"' in built.read_text(), (f.name, page, anchor)
+    assert len(seen) >= 5

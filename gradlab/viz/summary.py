@@ -4,8 +4,8 @@ Per objective of a run: reward (mean of the last steps), held-out accuracy (the 
 evaluation), the cancellation ratio ρ at trie and full-group nodes (mean over steps) and the
 learning tax share (mean over the steps it was measured, every --tax-every). Per objective of
 a variance measurement: the gradient noise and its noise ratios against GRPO and GSPO, each
-with its 95 % bootstrap interval. Definitions: docs/concepts/shared-nodes.md#cancellation-ratio,
-docs/concepts/tax.md, docs/figures/variance.md.
+with its 95 % bootstrap interval. Definitions: docs/concepts/shared-nodes.md#residual-and-cancellation-ratio,
+docs/concepts/tax.md, docs/concepts/variance.md.
 """
 
 from __future__ import annotations
