@@ -98,3 +98,24 @@ def test_training_curves_show_what_matters():
     assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
     fig2 = viz.training_curves(_run_table(False), x="step")
     assert "reward" in [ax.get_title() for ax in fig2.axes]  # differs: drawn
+
+
+def test_end_of_run_tables():
+    from gradlab.viz.summary import run_rows, variance_rows, variance_table
+
+    rows = run_rows(_run_table(True)).set_index("objective")
+    # grpo: accuracy = reward = 0.2 + 0.01·step; last 5 steps are 5..9
+    assert rows.loc["grpo", "reward"] == pytest.approx(0.2 + 0.01 * 7)
+    assert rows.loc["gspo", "heldout"] == pytest.approx(0.6) and rows.loc["grpo", "steps"] == 10
+    assert rows.loc["gspo", "rho_prefix"] == pytest.approx(0.2)
+    assert rows.loc["gspo", "tax_share"] == pytest.approx(0.01)  # NaN steps are not averaged
+    assert np.isnan(rows.loc["gspo", "rho_trie"])  # not measured
+    var = pd.DataFrame({"objective": ["grpo", "grpo", "ibpo", "ibpo", "ibpo", "ibpo", "ibpo"],
+                        "batch": [pd.NA, 0, pd.NA, pd.NA, pd.NA, pd.NA, 0],
+                        "metric": ["grad_noise", "grad_norm", "grad_noise", "grad_noise_lo",
+                                   "grad_noise_hi", "noise_ratio_vs_grpo", "grad_norm"],
+                        "value": [2.0, 9.0, 1.5, 1.0, 2.0, 0.75, 9.0]})
+    var["batch"] = var["batch"].astype("Int64")
+    v = variance_rows(var).set_index("objective")
+    assert v.loc["ibpo", "noise_ratio_vs_grpo"] == 0.75 and np.isnan(v.loc["grpo", "noise_ratio_vs_grpo"])
+    assert "| ibpo | 1.5 [1, 2] |" in variance_table(var)

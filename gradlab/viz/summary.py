@@ -49,7 +49,11 @@ def run_table(run: str | Path, last: int = LAST) -> str:
     for r in df.itertuples():
         lines.append(f"| {r.objective} | {_fmt(r.reward)} | {_fmt(r.heldout)} | "
                      f"{_fmt(r.rho_trie)} | {_fmt(r.rho_prefix)} | {_fmt(r.tax_share)} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + NOTE
+
+
+NOTE = ("ρ: cancellation ratio at shared nodes (0 = the shared part cancels); tax share: "
+        "‖g_tax‖ / ‖g‖; values below 1e-6 are float round-off; —: not measured.")
 
 
 def write_run_summary(run: str | Path, cfg=None) -> str:
@@ -60,10 +64,9 @@ def write_run_summary(run: str | Path, cfg=None) -> str:
     table = run_table(run)
     what = (f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G} on {cfg.task}, "
             f"rollout {cfg.rollout}, mode {cfg.mode}\n\n" if cfg is not None else "")
-    note = ("ρ: the cancellation ratio at shared nodes (0 = the shared part cancels); tax share: "
-            "the share of the update's norm spent on shared tokens; held-out accuracy: sampled "
-            "accuracy on problems never trained on (—: not evaluated).")
-    write_file(Path(run) / "summary.md", f"# gradlab run: {Path(run).name}\n\n{what}{table}\n\n{note}\n")
+    note = ("Held-out accuracy: sampled accuracy on problems never trained on, at the last "
+            "evaluation (--eval-every).")
+    write_file(Path(run) / "summary.md", f"# gradlab run: {Path(run).name}\n\n{what}{table} {note}\n")
     return table
 
 
