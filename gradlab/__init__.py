@@ -6,6 +6,17 @@ advantages (MATH.md §6): `process_advantages`, `repair_advantages`, `edited_tok
 Loop: `gradlab.loop.train`, run store read by `load_run`, token traces by `load_traces`; probes: `gradlab.probes`.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # editors and type checkers see the names; at run time they load on first use
+    from .core import objectives
+    from .core.batch import TokenBatch, advantages
+    from .core.cancellation import Cancellation, attribution, cancellation
+    from .core.credit import edited_tokens, process_advantages, repair_advantages
+    from .core.nodes import SharedNodes, shared_nodes
+    from .loop.store import load_run
+    from .loop.traces import load_traces
+
 # Names load on first use (PEP 562), so `gradlab --help` and argument errors never import torch.
 _LAZY = {
     "objectives": "gradlab.core.objectives", "TokenBatch": "gradlab.core.batch",
