@@ -131,6 +131,9 @@ def _run_args(p: Parser) -> None:
 
 def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None) -> RunConfig:
     kw = {f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)}
+    if a.objectives and objectives:
+        raise ConfigError(f"--objectives: `gradlab run` trains the one objective it is given "
+                          f"({objectives[0]!r}); several side by side: gradlab tandem --objectives")
     if a.objectives:
         try:  # commas inside name[k=v, ...] brackets do not split
             kw["objectives"] = split_top(a.objectives)
@@ -145,6 +148,10 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
             kw["objective_params"] = json.loads(a.objective_params)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--objective-params: not valid JSON ({e})") from None
+        params = kw["objective_params"]
+        if not (isinstance(params, dict) and all(isinstance(v, dict) for v in params.values())):
+            raise ConfigError("--objective-params: must be a JSON object of objective → "
+                              'parameters, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'')
     else:
         kw.pop("objective_params")
     return RunConfig(**kw)
