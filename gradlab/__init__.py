@@ -1,8 +1,8 @@
 """gradlab: what does each token's gradient get in group-relative RL, and does the shared part cancel?
 
-Core (MATH.md §1–3, §5): `TokenBatch`, `advantages`, `objectives.get(name)` (loss and
+Core (docs/concepts/): `TokenBatch`, `advantages`, `objectives.get(name)` (loss and
 closed-form modulation W), `shared_nodes`, `cancellation`, `attribution`; IBPO's token
-advantages (MATH.md §6): `process_advantages`, `repair_advantages`, `edited_tokens`.
+advantages (docs/concepts/ibpo.md): `process_advantages`, `repair_advantages`, `edited_tokens`.
 Loop: `gradlab.loop.train`, run store read by `load_run`, token traces by `load_traces`; probes: `gradlab.probes`.
 """
 

@@ -1,8 +1,8 @@
-"""`gradlab check`: a regression check of shared-token cancellation, against MATH.md and a baseline.
+"""`gradlab check`: a regression check of shared-token cancellation, against the invariants of docs/concepts/shared-nodes.md and a baseline.
 
 A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on synthetic groups, a
 `ModulationProbe` hook on a real tiny-model step) and the cancellation ratio ρ at full-group
-("prefix") and trie nodes (MATH.md §3):
+("prefix") and trie nodes (docs/concepts/shared-nodes.md):
 
   synthetic/<variant>/<regime>  `random_batch` groups, seeds 0-2, regimes of `testing.REGIMES`:
                                 on (on-policy, unequal lengths), near (off_policy 0.3), far
@@ -13,7 +13,7 @@ A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on
   model/<variant>/off           the same rollout's 2nd minibatch (groups 2-3) after one AdamW
                                 step (lr 2e-4) on the 1st (groups 0-1), as in the training loop
 
-Each scenario is held to (1) the invariants of MATH.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
+Each scenario is held to (1) the invariants of docs/concepts/shared-nodes.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
 exchangeable objectives cancel (ρ ≈ 0), non-exchangeable ones do not (ρ > 0), and the hook
 equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: per
 scenario max |Δρ| ≤ max_abs, and per source the mean signed Δρ ≤ mean (a drift of everything at
@@ -23,7 +23,7 @@ still check the invariants. Exit code 0: all good; 1: a violation (named); 2: ba
 3: the user's loss raised or returned a non-scalar (its traceback is shown). `--loss
 pkg.mod:fn` imports from the working directory first.
 
-    gradlab check                         # built-in objectives vs MATH.md and the baseline
+    gradlab check                         # built-in objectives vs the invariants and the baseline
     gradlab check --only gspo             # scenarios whose name contains "gspo"
     gradlab check --update                # rewrite the baseline (refused if an invariant fails)
     gradlab check --loss my_pkg.losses:my_loss            # your loss: must cancel everywhere
@@ -67,7 +67,7 @@ VARIANTS = {
     "gspo-token": ("gspo-token", {}), "dfpo-min": ("dfpo-min", {}), "dfpo-orth": ("dfpo-orth", {}),
     "dfpo-scale": ("dfpo-scale", {}), "dfpo-nosg": ("dfpo", {"stop_grad": False}),
 }
-# Expected ρ per regime column (COLUMNS): 0 = cancels (MATH.md §3: exchangeable), + = does not
+# Expected ρ per regime column (COLUMNS): 0 = cancels (docs/concepts/shared-nodes.md: exchangeable), + = does not
 # (a mechanism of §3 is active), . = baseline only (depends on the sample, e.g. real lengths).
 # grpo far: asymmetric clipping; grpo-seq/gspo on: 1/T_i; gspo near/far/model-off: coupling
 # and GSPO's tight sequence clip; on-eq: GSPO = GRPO; dfpo-scale = ½·GSPO at shared tokens;
@@ -257,7 +257,7 @@ def run(scenarios: list[Scenario]) -> tuple[list[Result], str | None]:
 
 
 def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict) -> None:
-    """Append MATH.md violations to each result's `problems`."""
+    """Append violations of the invariants (docs/concepts/shared-nodes.md) to each result's `problems`."""
     for r, sc in zip(results, scenarios):
         t = tol[sc.source]
         for metric in ("rho_prefix", "rho_trie"):
@@ -304,7 +304,7 @@ def compare(results: list[Result], base: dict, fingerprint: str | None,
     if not comparable["model"] and fingerprint is not None and base:
         notes.append(f"model rollout differs from the baseline's ("
                      f"{environment_diff(base.get('environment', {}))}); model scenarios are "
-                     "checked against MATH.md only")
+                     "checked against the invariants only")
     return msgs, notes
 
 
@@ -393,7 +393,7 @@ def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: 
     """Write the baseline (merged into the old one when only some scenarios ran)."""
     bad = [r.key for r in results if r.problems]
     if bad:
-        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate MATH.md")
+        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate the invariants (docs/concepts/shared-nodes.md)")
         return 1
     new = baseline_dict(results, fp or base.get("fingerprint"), tol)
     new["scenarios"] = {**(base.get("scenarios", {}) if partial else {}), **new["scenarios"]}

@@ -6,7 +6,7 @@
 Checks, each on the tiny shipped policy (a 2-layer Qwen3) and one off-policy rollout batch:
 - device: what torch sees (CUDA name and memory, or CPU threads);
 - bf16 autocast: a bf16 matmul under `torch.autocast` runs on the device;
-- W exact: the W a backward hook measures equals each objective's closed form (MATH.md §2) to
+- W exact: the W a backward hook measures equals each objective's closed form (docs/concepts/modulation.md#closed-forms) to
   float32 rounding (`precision.W_EXACT_RTOL`);
 - amp: under bf16 autocast the same identity holds, and log-probs, W and the policy gradient
   sit within the documented bf16 bounds of float32 (`precision.AMP_*`);
