@@ -200,3 +200,16 @@ def test_docs_references_in_code_name_existing_pages_and_anchors(site):
                 built = site / (page[: -len("index")] if page.endswith("index") else page + "/") / "index.html"
                 assert f'id="{anchor}"' in built.read_text(), (f.name, page, anchor)
     assert len(seen) >= 5
+
+
+def test_the_project_cites_only_its_own_documentation():
+    """No file names a specification the repository does not hold: formulas are referenced by
+    their documentation page (docs/concepts/…)."""
+    name = "MATH" + ".md"  # spelled in two parts so this file does not match itself
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    hits = [p for p in tracked.stdout.split() if (ROOT / p).is_file()
+            and (ROOT / p).suffix in (".py", ".md", ".ipynb", ".yml", ".toml", ".txt", "")
+            and name in (ROOT / p).read_text(errors="ignore")]
+    assert not hits, hits
