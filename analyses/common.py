@@ -189,7 +189,7 @@ def stamp(prov: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- per-seed rows
-# What each table row reports besides accuracy: the run's own measurements (MATH.md §3–4).
+# What each table row reports besides accuracy: the run's own measurements (docs/concepts/shared-nodes.md, docs/concepts/drift.md).
 MEASURED = {"rho_prefix": "mean over rollout steps of ρ at full-group nodes",
             "rho_trie": "mean over rollout steps of ρ at trie nodes",
             "tax_share": "mean over measured steps of ‖g_tax‖/‖g_total‖",

@@ -16,7 +16,7 @@ duplicated) and no GRPO clip active on its rows ("no clip active").
     python analyses/figure2.py --quick --out /tmp/f2.png
 
 Drawing: `gradlab.viz.token_strips` (the same strips `gradlab view` and the explore notebook
-draw from a run's token traces), with MATH.md §5's caption under the strips.
+draw from a run's token traces), with the caption of docs/concepts/dfpo.md#one-gradient-for-every-transform-at-full-group-nodes under the strips.
 
 Data (figure2.csv): one row per (panel, row, position): panel, objective, row, position,
 token_id, char, shared ("full" | "subset" | "none"), W, advantage, reward, text, clip_frac.
@@ -123,7 +123,7 @@ def token_frame(tok, ro, rows, batch, Ws: dict, clips: dict, g: int,
     df.attrs["rho"] = {t: cancellation(Ws[t][keep], _sub(batch, keep), "prefix").ratio
                        for t, _, _ in panels}
     df.attrs["prompt"] = ro.problems[int(rows[keep[0]])].prompt
-    # share of the group's residual each mechanism accounts for (closed form, MATH.md §3)
+    # share of the group's residual each mechanism accounts for (closed form, docs/concepts/shared-nodes.md#attribution)
     df.attrs["attribution"] = {t: attribution(objectives.get(n, **p), _sub(batch, keep))
                                for t, n, p in panels}
     return df
@@ -168,7 +168,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def draw(df: pd.DataFrame) -> plt.Figure:
-    """2×2 panels of token strips (gradlab.viz.token_strips) with MATH.md §5's caption."""
+    """2×2 panels of token strips (gradlab.viz.token_strips) with the caption of docs/concepts/dfpo.md."""
     scale = 10.0 ** -np.floor(np.log10(df["W"].abs().max() or 1.0))
     title = (f"Measured W (×{scale:.0e}) on one group of a real off-policy step, prompt "
              f"{df.attrs.get('prompt', '')!r}: blue = shared by the whole group, light "

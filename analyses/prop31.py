@@ -1,6 +1,6 @@
 """Prop. 3.1 on real steps: measured KL(π_θ(·|h*) ‖ π_θ+(·|h*)) at the full-group shared
 contexts h* of real optimizer steps against ½ δᵀF(h*)δ for the step δ actually taken, and the
-part of it due to the residual (MATH.md §4; `gradlab.loop.prop31`, `gradlab.probes.fisher`).
+part of it due to the residual (docs/concepts/drift.md; `gradlab.loop.prop31`, `gradlab.probes.fisher`).
 
 Runs short tandems from the shipped start (one per learning rate) and writes
 

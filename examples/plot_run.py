@@ -1,53 +1,47 @@
-"""Read a run and plot it with seaborn: accuracy and the cancellation ratio per objective.
+"""Read a run and plot it: accuracy (training and held-out) and the cancellation ratio per
+objective.
 
 `gradlab.load_run(folder)` returns one tidy table — run, objective, seed, step, tokens, metric,
-value — for a run of gradlab's loop or of the TRL integration. Without `--run` this script first
-trains a short tandem of GSPO and DFPO (Min-Replace) from the shipped tiny policy.
+value — for a run of gradlab's loop or of the TRL integration; `gradlab.viz.training_curves`
+draws it with seaborn (one colour and dash per objective, so curves that coincide stay visible;
+ρ on a log axis, with float round-off shaded). Without `--run` this script first trains a short
+tandem of GSPO and DFPO (Min-Replace) from the shipped tiny policy. The figure goes to
+RUN/plot.png unless --out says otherwise.
 
-    python examples/plot_run.py --run runs/reproduce --out plot.png
+    python examples/plot_run.py --run runs/reproduce              # runs/reproduce/plot.png
     python examples/plot_run.py --steps 4 --out /tmp/plot.png      # trains runs/plot-example once
 """
 
 import argparse
 from pathlib import Path
 
-import matplotlib
+import gradlab
+from gradlab.loop.config import RunConfig
+from gradlab.loop.train import train
+from gradlab.viz import save, training_curves
 
-matplotlib.use("Agg")  # files only, no window
-import matplotlib.pyplot as plt  # noqa: E402
-import seaborn as sns  # noqa: E402
-
-import gradlab  # noqa: E402
-from gradlab.loop.config import RunConfig  # noqa: E402
-from gradlab.loop.train import train  # noqa: E402
+PANELS = [("accuracy", "training accuracy"), ("rho_prefix", "cancellation ratio ρ (full-group nodes)")]
 
 
-def main(run: str | None, out: str, steps: int) -> None:
+def main(run: str | None, out: str | None, steps: int) -> None:
     if run is None:
         run = "runs/plot-example"
     if not Path(run, "metrics.jsonl").exists():  # train it once; later calls reuse it
         train(RunConfig(out=run, objectives=["gspo", "dfpo-min"], steps=steps, prompts=4, G=4,
-                        minibatches=2, eval_every=0, trace_every=0, progress=False))
+                        minibatches=2, eval_every=max(steps // 2, 1), trace_every=0,
+                        progress=False, threads=1))
     df = gradlab.load_run(run)
-    df = df[df["metric"].isin(["accuracy", "rho_prefix"])].copy()
-    last = df[df["step"] == df["step"].max()].pivot_table(index="objective", columns="metric",
-                                                          values="value")
-    rho = df["metric"] == "rho_prefix"   # 0 and float round-off (~1e-8) drawn at the 1e-9 floor
-    df.loc[rho, "value"] = df.loc[rho, "value"].clip(lower=1e-9)
-    grid = sns.relplot(data=df, x="step", y="value", hue="objective", col="metric",
-                       kind="line", marker="o", facet_kws={"sharey": False}, height=3, aspect=1.3)
-    grid.axes.flat[1].set_yscale("log")   # ρ spans round-off (~1e-8) to ~0.3
-    grid.set_titles("{col_name}")
-    grid.savefig(out, dpi=120)
-    plt.close("all")
-    print(last.to_string())                     # the last step's values, as stored
+    out = out or str(Path(run) / "plot.png")
+    save(training_curves(df, PANELS, x="step"), out)
+    last = df[(df["step"] == df["step"].max()) & df["metric"].isin(["accuracy", "rho_prefix"])]
+    print(last.pivot_table(index="objective", columns="metric", values="value").to_string())
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", help="run folder (default runs/plot-example; trained if it holds no run)")
-    p.add_argument("--out", default="plot.png", help="PNG file to write")
+    p.add_argument("--out", default=None, help="PNG file to write (default RUN/plot.png)")
     p.add_argument("--steps", type=int, default=20, help="rollout steps of the tandem it trains")
     a = p.parse_args()
     main(a.run, a.out, a.steps)

@@ -1,8 +1,8 @@
-"""`gradlab check`: a regression check of shared-token cancellation, against MATH.md and a baseline.
+"""`gradlab check`: a regression check of shared-token cancellation, against the invariants of docs/concepts/shared-nodes.md and a baseline.
 
 A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on synthetic groups, a
 `ModulationProbe` hook on a real tiny-model step) and the cancellation ratio ρ at full-group
-("prefix") and trie nodes (MATH.md §3):
+("prefix") and trie nodes (docs/concepts/shared-nodes.md):
 
   synthetic/<variant>/<regime>  `random_batch` groups, seeds 0-2, regimes of `testing.REGIMES`:
                                 on (on-policy, unequal lengths), near (off_policy 0.3), far
@@ -13,7 +13,7 @@ A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on
   model/<variant>/off           the same rollout's 2nd minibatch (groups 2-3) after one AdamW
                                 step (lr 2e-4) on the 1st (groups 0-1), as in the training loop
 
-Each scenario is held to (1) the invariants of MATH.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
+Each scenario is held to (1) the invariants of docs/concepts/shared-nodes.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
 exchangeable objectives cancel (ρ ≈ 0), non-exchangeable ones do not (ρ > 0), and the hook
 equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: per
 scenario max |Δρ| ≤ max_abs, and per source the mean signed Δρ ≤ mean (a drift of everything at
@@ -23,7 +23,7 @@ still check the invariants. Exit code 0: all good; 1: a violation (named); 2: ba
 3: the user's loss raised or returned a non-scalar (its traceback is shown). `--loss
 pkg.mod:fn` imports from the working directory first.
 
-    gradlab check                         # built-in objectives vs MATH.md and the baseline
+    gradlab check                         # built-in objectives vs the invariants and the baseline
     gradlab check --only gspo             # scenarios whose name contains "gspo"
     gradlab check --update                # rewrite the baseline (refused if an invariant fails)
     gradlab check --loss my_pkg.losses:my_loss            # your loss: must cancel everywhere
@@ -67,7 +67,7 @@ VARIANTS = {
     "gspo-token": ("gspo-token", {}), "dfpo-min": ("dfpo-min", {}), "dfpo-orth": ("dfpo-orth", {}),
     "dfpo-scale": ("dfpo-scale", {}), "dfpo-nosg": ("dfpo", {"stop_grad": False}),
 }
-# Expected ρ per regime column (COLUMNS): 0 = cancels (MATH.md §3: exchangeable), + = does not
+# Expected ρ per regime column (COLUMNS): 0 = cancels (docs/concepts/shared-nodes.md: exchangeable), + = does not
 # (a mechanism of §3 is active), . = baseline only (depends on the sample, e.g. real lengths).
 # grpo far: asymmetric clipping; grpo-seq/gspo on: 1/T_i; gspo near/far/model-off: coupling
 # and GSPO's tight sequence clip; on-eq: GSPO = GRPO; dfpo-scale = ½·GSPO at shared tokens;
@@ -257,7 +257,7 @@ def run(scenarios: list[Scenario]) -> tuple[list[Result], str | None]:
 
 
 def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict) -> None:
-    """Append MATH.md violations to each result's `problems`."""
+    """Append violations of the invariants (docs/concepts/shared-nodes.md) to each result's `problems`."""
     for r, sc in zip(results, scenarios):
         t = tol[sc.source]
         for metric in ("rho_prefix", "rho_trie"):
@@ -304,7 +304,7 @@ def compare(results: list[Result], base: dict, fingerprint: str | None,
     if not comparable["model"] and fingerprint is not None and base:
         notes.append(f"model rollout differs from the baseline's ("
                      f"{environment_diff(base.get('environment', {}))}); model scenarios are "
-                     "checked against MATH.md only")
+                     "checked against the invariants only")
     return msgs, notes
 
 
@@ -360,18 +360,32 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gradlab check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--update", action="store_true", help="rewrite the baseline")
-    p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
-                                      "none unless given)")
-    p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
-    p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
-                   help="for --loss: must it cancel everywhere (default), show a residual "
-                        "somewhere, or only match the baseline")
-    p.add_argument("--only", help="only scenarios whose name contains this string")
-    p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+    # one definition of the options, shared with `gradlab check`
+    from .cli import Parser
+    from .cli_args import _check_args
+
+    p = Parser(prog="gradlab check", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    _check_args(p)
     return p
+
+
+def read_baseline(path: Path | None, update: bool) -> dict:
+    """The baseline at `path` ({} for none); a missing file is an error unless --update writes it."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        if update:
+            return {}
+        raise ValueError(f"--baseline: {path} does not exist (--update writes a new one)")
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--baseline: {path} is not readable JSON ({e})") from None
+    if not isinstance(base, dict) or not isinstance(base.get("scenarios", {}), dict):
+        raise ValueError(f"--baseline: {path} is not a gradlab check baseline (a JSON object "
+                         "with 'scenarios')")
+    return base
 
 
 def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: dict,
@@ -379,7 +393,7 @@ def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: 
     """Write the baseline (merged into the old one when only some scenarios ran)."""
     bad = [r.key for r in results if r.problems]
     if bad:
-        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate MATH.md")
+        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate the invariants (docs/concepts/shared-nodes.md)")
         return 1
     new = baseline_dict(results, fp or base.get("fingerprint"), tol)
     new["scenarios"] = {**(base.get("scenarios", {}) if partial else {}), **new["scenarios"]}
@@ -390,8 +404,14 @@ def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = _parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)  # `check -- --update`
+    return run_checked(_parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv))
+
+
+def run_checked(a: argparse.Namespace) -> int:
+    """`gradlab check` with parsed options: exit code 0 pass, 1 a violation, 2 bad arguments."""
+    path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
     try:
+        base = read_baseline(path, a.update)
         scenarios = user_scenarios(a.loss, a.expect) if a.loss else builtin_scenarios()
         if a.loss and a.update and not a.baseline:
             raise ValueError("--update with --loss needs --baseline PATH (your own file)")
@@ -405,8 +425,6 @@ def main(argv: list[str] | None = None) -> int:
     if not scenarios:
         print(f"gradlab check: error: no scenario matches --only {a.only!r}", file=sys.stderr)
         return 2
-    path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
-    base = json.loads(path.read_text()) if path and path.is_file() else {}
     tol = base.get("tolerance", DEFAULT_TOL)
     try:
         results, fp = run(scenarios)
@@ -427,7 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"gradlab check: all {len(results)} scenarios pass")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

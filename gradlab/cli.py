@@ -1,9 +1,11 @@
 """The `gradlab` command: run, tandem, reproduce, table, view, variance, check, audit, doctor.
 
 Options of run/tandem/reproduce are the fields of `RunConfig` (`gradlab tandem --help`).
-Bad options get a one-line error naming the option and its valid values. Exit codes: 0 ok,
-2 bad arguments, 3 non-finite, 4 write failure, 130 / 143 stopped by a signal after
-checkpointing (the table: gradlab/loop/exitcodes.py).
+Every sub-command checks its arguments before any work: a mistake is one line naming the
+option and its valid values, exit code 2. Options are never abbreviated (`--step` is refused,
+not read as `--steps`). Exit codes: 0 ok, 1 a check failed (check, doctor), 2 bad arguments,
+3 non-finite, 4 write failure, 130 / 143 stopped by a signal after checkpointing (the table:
+gradlab/loop/exitcodes.py).
 """
 
 from __future__ import annotations
@@ -12,8 +14,19 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 
+from .cli_args import (
+    _audit_args,
+    _check_args,
+    _doctor_args,
+    _table_args,
+    _variance_args,
+    _view_args,
+)
+
+# torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
 from .core.variants import split_top
 from .loop.config import ConfigError, RunConfig
 from .loop.resume import given_options, with_stored_config
@@ -69,10 +82,38 @@ HELP = {
               "trains with plain trainer metrics only",
 }
 
+# run/tandem/reproduce defaults that differ from RunConfig's (threads: docs/performance.md)
+CLI_DEFAULTS = {"threads": 1}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that refuses abbreviated options and reports a mistake in one line."""
+
+    def __init__(self, *args, **kw) -> None:
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+    def error(self, message: str) -> None:  # argparse prints usage + message; one line is enough
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+Command = tuple[str, Callable[[Parser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {}  # name → (help, add_args, run), in --help order
+
+
+def command(name: str, help: str, add_args: Callable[[Parser], None] = lambda p: None):
+    """Register sub-command `name`: add_args(parser) declares its options, the decorated
+    function runs it (import heavy modules inside it, never at module level)."""
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = (help, add_args, fn)
+        return fn
+    return register
+
 
 def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    defaults = {**CLI_DEFAULTS, **(defaults or {})}
     for f in fields(RunConfig):
-        default = (defaults or {}).get(f.name, f.default if f.default is not MISSING else f.default_factory())
+        default = defaults.get(f.name, f.default if f.default is not MISSING else f.default_factory())
         flag = "--" + f.name.replace("_", "-")
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=HELP.get(f.name))
@@ -82,10 +123,21 @@ def _add_config_args(p: argparse.ArgumentParser, defaults: dict | None = None) -
             typ = float if isinstance(default, float) else int if isinstance(default, int) else str
             typ = int if f.name in ("max_new_tokens", "micro_batch", "max_prompt_len") else typ  # Optional[int]
             p.add_argument(flag, type=typ, default=default, help=HELP.get(f.name, "") + f" (default {default})")
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_arg,
+                   metavar="auto", help="continue from the last checkpoint; --resume auto: "
+                   "continue if --out holds a run, else start it (torchrun restarts do this)")
+
+
+def _run_args(p: Parser) -> None:
+    p.add_argument("objective", help="objective name (gradlab.core.objectives.names())")
+    _add_config_args(p)
 
 
 def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None) -> RunConfig:
     kw = {f.name: getattr(a, f.name) for f in fields(RunConfig) if hasattr(a, f.name)}
+    if a.objectives and objectives:
+        raise ConfigError(f"--objectives: `gradlab run` trains the one objective it is given "
+                          f"({objectives[0]!r}); several side by side: gradlab tandem --objectives")
     if a.objectives:
         try:  # commas inside name[k=v, ...] brackets do not split
             kw["objectives"] = split_top(a.objectives)
@@ -100,41 +152,67 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
             kw["objective_params"] = json.loads(a.objective_params)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--objective-params: not valid JSON ({e})") from None
+        params = kw["objective_params"]
+        if not (isinstance(params, dict) and all(isinstance(v, dict) for v in params.values())):
+            raise ConfigError("--objective-params: must be a JSON object of objective → "
+                              'parameters, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'')
     else:
         kw.pop("objective_params")
     return RunConfig(**kw)
 
 
-def cmd_train(a: argparse.Namespace) -> int:
-    from .loop.train import train
+def _checked_config(a: argparse.Namespace) -> RunConfig:
+    """RunConfig from the options (validated), the device and --model checked: before any work."""
+    from .cli_args import check_device, check_model
 
-    objectives = [a.objective] if getattr(a, "objective", None) else None
-    cfg = config_from_args(a, objectives)
+    cfg = config_from_args(a, [a.objective] if getattr(a, "objective", None) else None)
     if a.resume:  # options not typed are the stored ones (loop/resume.py)
         cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
+    check_device(cfg.device)
+    check_model(cfg.model, cfg.trust_remote_code)
+    return cfg
+
+
+@command("run", "train one objective", _run_args)
+def cmd_train(a: argparse.Namespace) -> int:
+    from .loop.train import train
+    from .viz.summary import write_run_summary
+
+    cfg = _checked_config(a)
     store = train(cfg, resume=a.resume)
-    print(f"run folder: {store.path}  (read it with gradlab.load_run)")
+    print(write_run_summary(store.path, cfg))
+    print(f"run folder: {store.path}  (summary.md; gradlab view {store.path}; gradlab.load_run)")
     return 0
 
 
+command("tandem", "train several objectives side by side from one start", _add_config_args)(cmd_train)
+
+
+@command("reproduce", "the main job: default tandem + figures + summary",
+         lambda p: _add_config_args(p, {"out": "runs/reproduce"}))
 def cmd_reproduce(a: argparse.Namespace) -> int:
     from .loop.reproduce import reproduce
+    from .viz.summary import run_table
 
-    cfg = config_from_args(a)
-    if a.resume:
-        cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
+    cfg = _checked_config(a)
     t0 = time.time()
-    summary = reproduce(cfg, resume=a.resume)
-    print(summary)
-    print(f"done in {time.time() - t0:.0f} s; run folder: {cfg.out}")
+    reproduce(cfg, resume=a.resume)  # the full summary: OUT/summary.md
+    print(run_table(cfg.out))
+    print(f"done in {time.time() - t0:.0f} s; run folder: {cfg.out} (summary.md, figures/)")
     return 0
 
 
 IBPO_ROWS = ["ibpo[form=la]", "ibpo[form=togo]", "ibpo[form=ga+la,base=gspo]"]
 
 
+@command("table", "ρ of every objective on synthetic groups", _table_args)
 def cmd_table(a: argparse.Namespace) -> int:
     """Cancellation ratio of every built-in objective on synthetic groups (no model needed)."""
+    from .cli_args import require
+
+    require("G", a.G, a.G >= 2, "≥ 2 (a group needs two responses to compare)")
+    require("seed", a.seed, a.seed >= 0, "≥ 0")
+    require("off-policy", a.off_policy, 0 < a.off_policy <= 10, "in (0, 10]")
     from .core import objectives
     from .core.cancellation import cancellation
     from .testing import random_batch
@@ -153,7 +231,12 @@ def cmd_table(a: argparse.Namespace) -> int:
     return 0
 
 
+@command("view", "one self-contained HTML page of a run (curves, token strips)", _view_args)
 def cmd_view(a: argparse.Namespace) -> int:
+    from .cli_args import check_run_folder, require
+
+    require("watch", a.watch, a.watch >= 0, "≥ 0 seconds (0 = write once)")
+    check_run_folder(a.run, need_metrics=not a.watch)
     from .viz.html import view, watch
 
     if a.watch:
@@ -177,18 +260,28 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked (importlib.metadata costs ~0.2 s at every start)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"gradlab {version()}")
+        parser.exit(0)
+
+
+@command("variance", "gradient noise of each objective at a fixed policy", _variance_args)
 def cmd_variance(a: argparse.Namespace) -> int:
-    """Gradient noise of each objective at a fixed policy: OUT/variance.csv and variance.png."""
+    """Gradient noise of each objective at a fixed policy: OUT/variance.csv, variance.png, summary.md."""
+    from .cli_args import check_variance_args
+
+    names = check_variance_args(a)
     from pathlib import Path
 
+    from .loop.atomic import write_file
     from .loop.variance import measure_variance
     from .viz.curves import save
+    from .viz.summary import variance_table
     from .viz.variance import variance_figure
 
-    try:
-        names = split_top(a.objectives)
-    except ValueError as e:
-        raise ConfigError(f"--objectives: {e}") from None
     df = measure_variance(names, task=a.task, K=a.K, reference_batches=a.reference_batches,
                           prompts=a.prompts, G=a.G, checkpoint=a.checkpoint, seed=a.seed,
                           rollout=a.rollout, threads=a.threads)
@@ -197,73 +290,47 @@ def cmd_variance(a: argparse.Namespace) -> int:
     df.to_csv(out / "variance.csv", index=False)
     save(variance_figure(df, f"{a.task}: K={a.K} batches, reference {a.reference_batches} "
                              f"batches of {a.prompts}×{a.G}"), out / "variance.png")
-    print(f"wrote {out / 'variance.csv'} and {out / 'variance.png'}")
+    table = variance_table(df)
+    write_file(out / "summary.md", f"# gradlab variance: {a.task}, {a.rollout}\n\n{table}\n")
+    print(table)
+    print(f"wrote {out / 'variance.csv'}, {out / 'variance.png'} and {out / 'summary.md'}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gradlab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"gradlab {version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="train one objective")
-    run.add_argument("objective", help="objective name (gradlab.core.objectives.names())")
-    tandem = sub.add_parser("tandem", help="train several objectives side by side from one start")
-    rep = sub.add_parser("reproduce", help="the main job: default tandem + figures + summary")
-    for sp, fn, defaults in ((run, cmd_train, None), (tandem, cmd_train, None),
-                             (rep, cmd_reproduce, {"out": "runs/reproduce"})):
-        _add_config_args(sp, defaults)
-        sp.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_arg,
-                        metavar="auto", help="continue from the last checkpoint; --resume auto: "
-                        "continue if --out holds a run, else start it (torchrun restarts do this)")
+@command("check", "regression check of cancellation residuals vs a baseline", _check_args)
+def cmd_check(a: argparse.Namespace) -> int:
+    from .check import run_checked
+
+    return run_checked(a)
+
+
+@command("audit", "audit a trainer's loss settings (gradlab audit trl | verl)", _audit_args)
+def cmd_audit(a: argparse.Namespace) -> int:
+    import importlib
+
+    module = {"trl": "gradlab.integrations.trl_audit", "verl": "gradlab.integrations.verl_audit"}
+    argv = (["trl"] if a.trainer == "trl" else []) + a.rest  # trl_audit names its trainer itself
+    return importlib.import_module(module[a.trainer]).main(argv)
+
+
+@command("doctor", "check that gradlab works on this machine (device, bf16, W exactness, a "
+         "training step); prints a Markdown report", _doctor_args)
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from .doctor import run_doctor
+
+    return run_doctor(a)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="gradlab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_Version, nargs=0, help="show gradlab's version and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    p.commands = {}
+    for name, (help, add_args, fn) in COMMANDS.items():
+        sp = p.commands[name] = sub.add_parser(name, help=help, description=help)
+        add_args(sp)
         sp.set_defaults(fn=fn)
-    tab = sub.add_parser("table", help="ρ of every objective on synthetic groups")
-    tab.add_argument("--G", type=int, default=8)
-    tab.add_argument("--seed", type=int, default=0)
-    tab.add_argument("--off-policy", type=float, default=0.3)
-    tab.set_defaults(fn=cmd_table)
-    view = sub.add_parser("view", help="one self-contained HTML page of a run (curves, token strips)")
-    view.add_argument("run", help="run folder")
-    view.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
-    view.add_argument("--watch", type=float, default=0, metavar="SECONDS",
-                      help="re-write the page every SECONDS while the run trains (the page "
-                           "reloads itself) until every step is checkpointed, or Ctrl-C")
-    view.set_defaults(fn=cmd_view)
-    var = sub.add_parser("variance", help="gradient noise of each objective at a fixed policy")
-    _add_variance_args(var)
-    var.set_defaults(fn=cmd_variance)
-    chk = sub.add_parser("check", help="regression check of cancellation residuals vs a baseline",
-                         add_help=False)
-    chk.set_defaults(fn=lambda a: _delegate(DELEGATED["check"], a.rest))
-    aud = sub.add_parser("audit", help="audit a trainer's loss settings (gradlab audit trl | verl)",
-                         add_help=False)
-    aud.set_defaults(fn=lambda a: _delegate(DELEGATED["audit"], a.rest))
-    doc = sub.add_parser("doctor", help="check that gradlab works on this machine (device, bf16, "
-                         "W exactness, a training step); writes a Markdown report", add_help=False)
-    doc.set_defaults(fn=lambda a: _delegate(DELEGATED["doctor"], a.rest))
-    for sp in (chk, aud, doc):
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
-
-
-def _add_variance_args(p: argparse.ArgumentParser) -> None:
-    from .loop.variance import DEFAULT_OBJECTIVES, ROLLOUTS
-
-    p.add_argument("--task", default="arithmetic", help="'arithmetic', 'scaffold' or a .jsonl file")
-    p.add_argument("--objectives", default=",".join(DEFAULT_OBJECTIVES),
-                   help="comma-separated, with parameters as for tandem: 'grpo,ibpo[form=ga+la]'")
-    p.add_argument("--K", type=int, default=32, help="rollout batches whose gradients give the "
-                   "noise and its bootstrap interval (default 32)")
-    p.add_argument("--reference-batches", type=int, default=128,
-                   help="further batches whose mean gradient is the reference (default 128)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per batch (the same in every batch)")
-    p.add_argument("--G", type=int, default=8, help="responses per prompt")
-    p.add_argument("--rollout", default="independent", choices=ROLLOUTS, help="rollout layout")
-    p.add_argument("--checkpoint", default=None, help="a run's checkpoints/<objective> folder or "
-                   "a Hugging Face model folder (default: the task's shipped warm start)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/variance", help="folder for variance.csv and variance.png")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
 
 
 def _resume_arg(v: str) -> str:
@@ -283,26 +350,33 @@ def _resume_command(a: argparse.Namespace, out: str) -> str:
     return f"{cmd} --out {shlex.quote(str(out))} --resume"
 
 
-def _delegate(module: str, argv: list[str]) -> int:
-    """Sub-commands that own their argument parsing: module.main(argv) -> exit code."""
-    import importlib
-
-    if module == DELEGATED["audit"] and argv[:1] == ["verl"]:  # gradlab audit verl
-        module, argv = "gradlab.integrations.verl_audit", argv[1:]
-    return importlib.import_module(module).main(argv)
-
-
-DELEGATED = {"check": "gradlab.check", "audit": "gradlab.integrations.trl_audit",
-             "doctor": "gradlab.doctor"}
-
-
 def main(argv: list[str] | None = None) -> int:
     program = argv is None
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in DELEGATED:  # these parse their own options (incl. --help)
-        return _delegate(DELEGATED[argv[0]], argv[1:])
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["check", "--"]:  # `gradlab check -- --update`
+        argv = ["check", *argv[2:]]
+    if argv[:1] in (["check"], ["doctor"]) and {"-h", "--help"} & set(argv):
+        return _long_help(argv[0], argv[1:])  # their help is their module's docstring
+    p = build_parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:  # named by the sub-command, whose --help lists its options
+        p.commands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # what was typed (--resume takes the untyped options from config.json)
+    try:
+        return _run(args, program)
+    except ConfigError as e:  # raised by the argument checks before any work
+        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _long_help(cmd: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(f"gradlab.{cmd}").main(argv)
+
+
+def _run(args: argparse.Namespace, program: bool) -> int:
+    """args.fn(args), with the loop's failures as one line and their exit codes."""
     from .loop.atomic import EXIT_WRITE, WriteError
     from .loop.guard import EXIT_NONFINITE, NonFiniteError
     from .loop.preempt import Preempted, StopSignals
@@ -310,7 +384,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
     StopSignals.ignore_after_stop = program
-
     try:
         return args.fn(args)
     except Preempted as e:  # checkpointed; rank 0 alone says how to resume
@@ -323,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, FileNotFoundError, FileExistsError, CorruptFileError) as e:
+    except (FileNotFoundError, FileExistsError, CorruptFileError) as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,12 +1,12 @@
 """`gradlab doctor`: does gradlab work on this machine? One command, a short Markdown report.
 
     gradlab doctor                      # the best device here (CUDA if present, else CPU)
-    gradlab doctor --device cpu --out report.md
+    gradlab doctor --device cpu --out report.md   # the report also written to a file
 
 Checks, each on the tiny shipped policy (a 2-layer Qwen3) and one off-policy rollout batch:
 - device: what torch sees (CUDA name and memory, or CPU threads);
 - bf16 autocast: a bf16 matmul under `torch.autocast` runs on the device;
-- W exact: the W a backward hook measures equals each objective's closed form (MATH.md §2) to
+- W exact: the W a backward hook measures equals each objective's closed form (docs/concepts/modulation.md#closed-forms) to
   float32 rounding (`precision.W_EXACT_RTOL`);
 - amp: under bf16 autocast the same identity holds, and log-probs, W and the policy gradient
   sit within the documented bf16 bounds of float32 (`precision.AMP_*`);
@@ -265,33 +265,53 @@ def report(checks: list[Check], facts: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gradlab doctor", description="Check that gradlab works on "
-                                "this machine (device, bf16 autocast, W exactness, amp bounds, "
-                                "a training step) and write a Markdown report.")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when "
-                   "present; default auto)")
-    p.add_argument("--out", default="gradlab_doctor.md", help="report file (default "
-                   "gradlab_doctor.md)")
-    p.add_argument("--no-loop", dest="loop", action="store_false",
-                   help="skip the one-step training run")
+    # one definition of the options, shared with `gradlab doctor`
+    from .cli import Parser
+    from .cli_args import _doctor_args
+
+    p = Parser(prog="gradlab doctor", description="Check that gradlab works on this machine "
+               "(device, bf16 autocast, W exactness, amp bounds, a training step) and print a "
+               "Markdown report (--out FILE also writes it).")
+    _doctor_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    return run_doctor(build_parser().parse_args(argv))
+
+
+def run_doctor(a: argparse.Namespace) -> int:
+    """`gradlab doctor` with parsed options: 0 every check passes, 1 one failed, 2 bad options."""
+    if not (a.device in ("auto", "cpu", "cuda") or (a.device.startswith("cuda:")
+                                                    and a.device[5:].isdigit())):
+        print(f"gradlab doctor: error: --device: {a.device!r}; valid: auto, cpu, cuda, cuda:N",
+              file=sys.stderr)
+        return 2
+    if a.out is not None and not Path(a.out).parent.is_dir():
+        print(f"gradlab doctor: error: --out: folder {Path(a.out).parent} does not exist",
+              file=sys.stderr)
+        return 2
     device = pick_device(a.device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         checks = [Check("device", False, f"{device}: torch {torch.__version__} sees no CUDA GPU")]
         facts = {"device": f"{device}: not available"}
+    elif device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        checks = [Check("device", False, f"{device}: this machine has "
+                        f"{torch.cuda.device_count()} CUDA GPU(s)")]
+        facts = {"device": f"{device}: not available"}
     else:
         checks, facts = run_checks(device, a.loop)
-    Path(a.out).write_text(report(checks, facts))
+    text = report(checks, facts)
+    if a.out is not None:
+        Path(a.out).write_text(text)
+    else:
+        print(text)
     failed = [c for c in checks if not c.ok]
     for c in failed:
         print(f"gradlab doctor: FAIL — {c.name}: {c.detail}", file=sys.stderr)
-    print(f"gradlab doctor: {'FAIL' if failed else 'PASS'} on {facts['device']}; report: {a.out}")
+    print(f"gradlab doctor: {'FAIL' if failed else 'PASS'} on {facts['device']}"
+          + (f"; report: {a.out}" if a.out else ""))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

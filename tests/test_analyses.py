@@ -42,7 +42,7 @@ def test_figure2_measured_sums(tmp_path):
     # "no clip active" for the GRPO panel: W ≠ 0 on every token of the shown group
     g = df[df["panel"] == figure2.PANELS[0][0]]
     assert (g["W"] != 0).all()
-    # drawn by gradlab.viz, with MATH.md §5's caption under the strips
+    # drawn by gradlab.viz, with the caption of docs/concepts/dfpo.md#one-gradient-for-every-transform-at-full-group-nodes under the strips
     from gradlab.viz import CAPTION
     fig = figure2.draw(df)
     assert CAPTION in [t.get_text() for t in fig.texts] and "(Σ_i A_i w̃_i)·∇l = 0" in CAPTION

@@ -114,3 +114,99 @@ def test_bf16_inputs_are_computed_in_float32():
         obj.loss(bb.replace(logps=lp)).backward()
         assert lp.grad.dtype == torch.bfloat16
         assert torch.allclose(-lp.grad.float(), W, atol=2e-2 * float(W.abs().max()) + 1e-6)
+
+
+# ---------------------------------------------------------------- the `gradlab` command line
+# Every sub-command, at least five mistakes each: exit code 2 (argparse's, or a ConfigError),
+# one line on stderr naming the mistake, nothing raised out of main (no traceback), and no work
+# done first (each case returns before a model is loaded). A new sub-command adds a row here.
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from gradlab.cli import COMMANDS, main  # noqa: E402
+
+
+def _folders(tmp) -> dict:
+    corrupt, empty, bare, unknown = (tmp / n for n in ("corrupt", "empty", "bare", "unknown"))
+    for d in (corrupt, empty, bare, unknown):
+        d.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    (empty / "config.json").write_text("{}")
+    (empty / "metrics.jsonl").write_text("")
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    (tmp / "baseline.json").write_text("{oops")
+    return {"CORRUPT": str(corrupt), "EMPTY": str(empty), "BARE": str(bare),
+            "UNKNOWN": str(unknown), "BADBASE": str(tmp / "baseline.json"),
+            "MISSING": str(tmp / "missing.json"), "NODIR": str(tmp / "no" / "dir" / "r.md")}
+
+
+BAD = {  # sub-command → [(arguments, text the one-line message must contain)]
+    "run": [(["ppo"], "ppo"), (["grpo", "--step", "3"], "--step"), (["grpo", "--G", "1"], "--G"),
+            (["grpo", "--steps", "x"], "--steps"), (["grpo", "--device", "cuda:7"], "--device"),
+            (["grpo", "--task", "scafold"], "--task"), (["grpo", "--model", "UNKNOWN"], "model_type"),
+            (["grpo", "--model", "BARE"], "--model"), (["grpo", "--objectives", "gspo"], "--objectives")],
+    "tandem": [(["--objectives", "grpo,ppo"], "ppo"), (["--objectives", "gspo[eps="], "--objectives"),
+               (["--objective-params", "{bad"], "--objective-params"), (["--mode", "x"], "--mode"),
+               (["--rollout", "x"], "--rollout"), (["--resume", "yes"], "--resume"),
+               (["--obj", "grpo"], "--obj"), (["--objective-params", '{"gspo": 3}'], "--objective-params"),
+               (["--objective-params", "[1]"], "--objective-params")],
+    "reproduce": [(["--lr", "0"], "--lr"), (["--micro-batch", "3"], "--micro-batch"),
+                  (["--log", "wandb"], "--log"), (["--on-nonfinite", "ignore"], "--on-nonfinite"),
+                  (["--threads", "-1"], "--threads"), (["--roots", "99"], "--roots")],
+    "table": [(["--G", "1"], "--G"), (["--G", "x"], "--G"), (["--off-policy", "0"], "--off-policy"),
+              (["--seed", "-1"], "--seed"), (["--bogus"], "--bogus"), (["--off", "0.3"], "--off")],
+    "view": [(["NODIR"], "does not exist"), (["CORRUPT"], "corrupt"), (["EMPTY"], "no metrics"),
+             (["BARE"], "no config.json"), (["EMPTY", "--watch", "-1"], "--watch"), ([], "run")],
+    "variance": [(["--task", "scafold"], "--task"), (["--G", "1"], "--G"), (["--K", "1"], "--K"),
+                 (["--objectives", "grpo,ppo"], "ppo"), (["--rollout", "x"], "--rollout"),
+                 (["--checkpoint", "BARE"], "--checkpoint"), (["--prompts", "0"], "--prompts"),
+                 (["--checkpoint", "UNKNOWN"], "model_type")],
+    "check": [(["--baseline", "MISSING"], "does not exist"), (["--baseline", "BADBASE"], "not readable"),
+              (["--expect", "maybe"], "--expect"), (["--loss", "no_such_module_x:fn"], "no_such_module_x"),
+              (["--bogus"], "--bogus"), (["--base", "x"], "--base")],
+    "audit": [(["foo"], "verl"), ([], "trainer"), (["--quick"], "trainer"),
+              (["trl", "--bogus"], "--bogus"), (["verl", "--bogus"], "--bogus")],
+    "doctor": [(["--device", "tpu"], "--device"), (["--device", "cuda:x"], "--device"),
+               (["--out", "NODIR"], "--out"), (["--bogus"], "--bogus"), (["--dev", "cpu"], "--dev")],
+}
+
+
+def test_bad_input_table_covers_every_subcommand():
+    assert set(BAD) == set(COMMANDS)
+    assert all(len(cases) >= 5 for cases in BAD.values())
+
+
+@pytest.mark.parametrize("cmd,args,expect", [(c, a, e) for c, cases in BAD.items() for a, e in cases])
+def test_cli_bad_input_is_one_line_naming_the_mistake(cmd, args, expect, tmp_path, capsys):
+    names = _folders(tmp_path)
+    argv = [cmd] + [names.get(x, x) for x in args]
+    try:
+        code = main(argv)  # an exception escaping here is the traceback a user would see
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (argv, code, err)
+    assert "Traceback" not in err and expect in err, (argv, err)
+    assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+def test_help_version_and_argument_errors_do_not_import_torch():
+    code = ("import sys\nfrom gradlab.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['run', 'grpo', '--step', '3'], "
+            "['table', '--G', 'x'], ['check', '--bogus'], ['doctor', '--bogus'], ['audit', 'foo'], "
+            "['tandem', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-500:]
+
+
+def test_cli_copies_of_variance_choices_match_the_module():
+    from gradlab.cli_args import ROLLOUTS, VARIANCE_OBJECTIVES
+    from gradlab.loop import variance
+
+    assert ROLLOUTS == variance.ROLLOUTS
+    assert VARIANCE_OBJECTIVES == ",".join(variance.DEFAULT_OBJECTIVES)

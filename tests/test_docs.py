@@ -108,3 +108,108 @@ def test_index_and_api_pages_render_in_headless_chromium(site):
     title, text, errors, _ = seen["/reference/api/core/"]
     assert not errors, errors
     assert "TokenBatch" in text and "shared_nodes" in text and "Min-Replace" in text
+
+
+def test_concept_pages_typeset_their_formulas_offline(site):
+    """The formulas are typeset by KaTeX served from the site: with every request outside the
+    local server refused, a concept page shows rendered math, no raw TeX and no console error."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium binary (.ci/run installs it: apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    outside, seen = [], {}
+
+    def only_local(route):  # the network is off: only the site's own server answers
+        if route.request.url.startswith(base):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+            try:
+                for path in ("/concepts/shared-nodes/", "/concepts/ibpo/"):
+                    pg = browser.new_page()
+                    pg.route("**/*", only_local)
+                    errors = []
+                    pg.on("console", lambda m, e=errors: e.append(m.text) if m.type == "error" else None)
+                    pg.on("pageerror", lambda x, e=errors: e.append(str(x)))
+                    pg.goto(base + path, wait_until="networkidle")
+                    pg.wait_for_selector("article .katex", timeout=10_000)
+                    seen[path] = (errors, pg.eval_on_selector_all("article .katex-display", "e => e.length"),
+                                  pg.eval_on_selector_all("article .katex", "e => e.length"),
+                                  pg.eval_on_selector_all("article .katex-error", "e => e.length"),
+                                  pg.inner_text("article"))
+                    pg.close()
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+    assert not outside, outside
+    for path, (errors, display, inline, bad, text) in seen.items():
+        assert not errors, (path, errors)
+        assert display >= 1 and inline >= 10 and bad == 0, (path, display, inline, bad)
+        assert "\\frac" not in text and "\\sum" not in text, path  # no TeX left as text
+
+
+def _shell_commands(path: Path) -> list[str]:
+    """The `gradlab ...` command lines of a page's bash blocks (continuations joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+    text = "\n".join(blocks).replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("gradlab ")]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/quickstart.md"])
+def test_tour_commands_parse_and_paste_in_zsh(page):
+    """Every `gradlab` command the page prints is accepted by the parser, and a bracketed
+    objective list is quoted (zsh, the macOS shell, expands an unquoted one as a glob)."""
+    import shlex
+
+    commands = _shell_commands(ROOT / page)
+    assert len(commands) >= 3, commands
+    for cmd in commands:
+        for word in shlex.split(cmd, comments=True, posix=False):
+            assert "[" not in word or word[0] in "'\"", (page, cmd)
+        argv = shlex.split(cmd, comments=True)[1:]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:  # --version / --help exit 0 after printing
+            assert e.code == 0, f"{page}: {cmd!r} is refused by the parser"
+
+
+def test_docs_references_in_code_name_existing_pages_and_anchors(site):
+    """Docstrings, messages and notebooks point at documentation pages (docs/…/page.md#anchor):
+    each page exists and each anchor is a heading id on the built page."""
+    ref = re.compile(r"docs/([A-Za-z0-9_/.-]+?)\.md(?:#([a-z0-9-]+))?")
+    files = [p for d in ("gradlab", "analyses", "examples", "notebooks")
+             for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".ipynb")]
+    seen = set()
+    for f in files:
+        for page, anchor in ref.findall(f.read_text()):
+            seen.add((page, anchor))
+            assert (ROOT / "docs" / f"{page}.md").is_file(), (f.name, page)
+            if anchor:
+                built = site / (page[: -len("index")] if page.endswith("index") else page + "/") / "index.html"
+                assert f'id="{anchor}"' in built.read_text(), (f.name, page, anchor)
+    assert len(seen) >= 5
+
+
+def test_the_project_cites_only_its_own_documentation():
+    """No file names a specification the repository does not hold: formulas are referenced by
+    their documentation page (docs/concepts/…)."""
+    name = "MATH" + ".md"  # spelled in two parts so this file does not match itself
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    hits = [p for p in tracked.stdout.split() if (ROOT / p).is_file()
+            and (ROOT / p).suffix in (".py", ".md", ".ipynb", ".yml", ".toml", ".txt", "")
+            and name in (ROOT / p).read_text(errors="ignore")]
+    assert not hits, hits

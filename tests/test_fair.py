@@ -1,4 +1,4 @@
-"""The gradient identity of DFPO at full-group nodes (MATH.md §5), on a real off-policy step.
+"""The gradient identity of DFPO at full-group nodes (docs/concepts/dfpo.md#one-gradient-for-every-transform-at-full-group-nodes), on a real off-policy step.
 
 The members of a full-group (prefix) node share one history and one token, hence one ∇l, so
 the node adds (Σ_i A_i w̃_i)·∇l to the update, and every DFPO transform makes that sum 0. So

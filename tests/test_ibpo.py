@@ -1,4 +1,4 @@
-"""IBPO (MATH.md §6): token advantages in every objective, the trie and repair estimators and
+"""IBPO (docs/concepts/ibpo.md): token advantages in every objective, the trie and repair estimators and
 their seven properties, LCS alignment, and the `ibpo` objective (closed form = autograd)."""
 
 import itertools

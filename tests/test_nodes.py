@@ -115,7 +115,7 @@ def test_trie_ratio_stays_in_unit_interval_when_residual_opposes_subset_credit()
     rep = cancellation(W, b, "trie")
     k = rep.coef
     sub = (~k.sn.full).nonzero().squeeze(-1)
-    assert float(k.d[sub].abs().sum()) > float(k.mass[sub].sum())  # MATH.md's normaliser > 1
+    assert float(k.d[sub].abs().sum()) > float(k.mass[sub].sum())  # ρ's normaliser in docs/concepts/shared-nodes.md > 1
     assert rep.ratio == pytest.approx(4.0 / 4.0)  # |d| = |−2 − 2| over Σ|W| + |c*| = 2 + 2
 
 

@@ -35,6 +35,18 @@ def test_notebooks_exist_without_outputs_and_import_gradlab_only():
                 assert not c.outputs and c.execution_count is None, f"{p.name} has outputs"
 
 
+def test_first_cell_names_the_extra_it_needs():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for p in NOTEBOOKS:
+        first = nbformat.read(p, as_version=4).cells[0]
+        assert first.cell_type == "markdown", p.name
+        named = [e for e in extras if f"pip install -e '.[{e}]'" in first.source]
+        assert named, f"{p.name}: the first cell names no extra (pip install -e '.[NAME]')"
+        assert any("jupyter" in d for e in named for d in extras[e]), (p.name, named)
+
+
 def test_run_paths_resolve_relative_to_the_repository(tmp_path, monkeypatch):
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "runs" / "x").mkdir(parents=True)

@@ -78,7 +78,7 @@ def test_dfpo_stop_grad_loss_value_is_base_value():
     assert torch.allclose(objectives.get("dfpo-orth").loss(b), objectives.get("gspo").loss(b))
 
 
-# --- exchangeability (MATH.md §3) ---------------------------------------------------------
+# --- exchangeability (docs/concepts/shared-nodes.md) ---------------------------------------------------------
 
 def _rho(obj, b, nodes="prefix"):
     return cancellation(obj.modulation(b), b, nodes).ratio
@@ -123,7 +123,7 @@ def test_equal_lengths_on_policy_seq_norm_cancels():
 
 
 def test_orth_keeps_subset_credit():
-    """Σ_S w̃_i A_i = mean(A_S) Σ_S w_i at every trie node (MATH.md §5)."""
+    """Σ_S w̃_i A_i = mean(A_S) Σ_S w_i at every trie node (docs/concepts/dfpo.md)."""
     b = random_batch(seed=5, n_groups=3, G=6, T=10, off_policy=0.5)
     base = objectives.get("gspo", eps=(1.0, 1.0))
     w = base.weight(b)

@@ -62,3 +62,60 @@ def test_log_axis_floor_and_prop31_input():
     ok = pd.DataFrame({"step": [0, 1], "objective": "a", "kl_measured": [1e-3, 2e-3],
                        "kl_predicted": [1.1e-3, 1.9e-3]})
     assert viz.prop31_scatter(ok).axes[0].get_xscale() == "log"
+
+
+def _run_table(reward_equals_accuracy: bool) -> pd.DataFrame:
+    rows = []
+    for obj, base in (("grpo", 0.2), ("gspo", 0.3)):
+        for step in range(10):
+            acc = base + 0.01 * step
+            rows += [(obj, step, "accuracy", acc),
+                     (obj, step, "reward", acc if reward_equals_accuracy else acc + 0.5),
+                     (obj, step, "rho_prefix", 0.0 if obj == "grpo" else 0.2),
+                     (obj, step, "tax_share", (1e-12 if obj == "grpo" else 0.01) if step % 5 == 0
+                      else float("nan")),
+                     (obj, step, "eval_accuracy", base + 0.3 if step == 9 else float("nan"))]
+    d = pd.DataFrame(rows, columns=["objective", "step", "metric", "value"])
+    d["run"], d["seed"], d["tokens"] = "r", 0, d["step"] * 100
+    return d
+
+
+def test_training_curves_show_what_matters():
+    fig = viz.training_curves(_run_table(True), x="step")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert not any(t == "reward" for t in titles)  # one panel: accuracy is the reward here
+    acc = next(ax for ax in fig.axes if ax.get_title().startswith("accuracy"))
+    assert "= reward" in acc.get_title() and "held-out" in acc.get_title()
+    held = [ln for ln in acc.lines if ln.get_marker() == "D"]
+    assert sorted(float(ln.get_ydata()[0]) for ln in held) == pytest.approx([0.5, 0.6])
+    tax = next(ax for ax in fig.axes if ax.get_title().startswith("‖g_tax‖"))
+    assert "every 5 steps" in tax.get_title() and tax.get_yscale() == "log"
+    pts = [ln for ln in tax.lines if ln.get_marker() == "o"]
+    assert pts and all(ln.get_linestyle() == "None" for ln in pts)  # points, no line between
+    assert sorted(x for ln in pts for x in ln.get_xdata()) == [0, 0, 5, 5]
+    rho = next(ax for ax in fig.axes if ax.get_title().startswith("cancellation"))
+    assert rho.get_yscale() == "log"
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    fig2 = viz.training_curves(_run_table(False), x="step")
+    assert "reward" in [ax.get_title() for ax in fig2.axes]  # differs: drawn
+
+
+def test_end_of_run_tables():
+    from gradlab.viz.summary import run_rows, variance_rows, variance_table
+
+    rows = run_rows(_run_table(True)).set_index("objective")
+    # grpo: accuracy = reward = 0.2 + 0.01·step; last 5 steps are 5..9
+    assert rows.loc["grpo", "reward"] == pytest.approx(0.2 + 0.01 * 7)
+    assert rows.loc["gspo", "heldout"] == pytest.approx(0.6) and rows.loc["grpo", "steps"] == 10
+    assert rows.loc["gspo", "rho_prefix"] == pytest.approx(0.2)
+    assert rows.loc["gspo", "tax_share"] == pytest.approx(0.01)  # NaN steps are not averaged
+    assert np.isnan(rows.loc["gspo", "rho_trie"])  # not measured
+    var = pd.DataFrame({"objective": ["grpo", "grpo", "ibpo", "ibpo", "ibpo", "ibpo", "ibpo"],
+                        "batch": [pd.NA, 0, pd.NA, pd.NA, pd.NA, pd.NA, 0],
+                        "metric": ["grad_noise", "grad_norm", "grad_noise", "grad_noise_lo",
+                                   "grad_noise_hi", "noise_ratio_vs_grpo", "grad_norm"],
+                        "value": [2.0, 9.0, 1.5, 1.0, 2.0, 0.75, 9.0]})
+    var["batch"] = var["batch"].astype("Int64")
+    v = variance_rows(var).set_index("objective")
+    assert v.loc["ibpo", "noise_ratio_vs_grpo"] == 0.75 and np.isnan(v.loc["grpo", "noise_ratio_vs_grpo"])
+    assert "| ibpo | 1.5 [1, 2] |" in variance_table(var)

@@ -2,7 +2,7 @@
 
 A `TokenBatch` holds B sequences of T *response* positions (prompt tokens are not in it;
 rows with the same `group` value share a prompt). Responses are right-padded: `mask` is True
-on response tokens. Spec: MATH.md §1.
+on response tokens. Notation: docs/concepts/index.md#setting-and-notation.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class TokenBatch:
       rewards     (B,)   float or None — terminal rewards R_i; objectives that build their own
                   token advantages from the group (IBPO) read them
       repair_of   (B,)   long or None — for a corrected (repair) response, the row it corrects;
-                  −1 elsewhere (MATH.md §6b). Only the IBPO `repair` form reads it
+                  −1 elsewhere (docs/concepts/ibpo.md#reading-2-credit-on-the-edited-tokens-of-a-repair). Only the IBPO `repair` form reads it
       n_seqs, n_tokens, width  int or None — the totals that loss normalisers use (number of
                   sequences B, masked-in tokens Σ T_i, padded width T_max). None = this batch's
                   own. Data-parallel training sets them to the global batch's totals so that
@@ -205,7 +205,7 @@ def group_index(group: Tensor) -> tuple[Tensor, Tensor]:
 def advantages(
     rewards: Tensor, group: Tensor, scale: str = "group", eps: float = 1e-4
 ) -> Tensor:
-    """Group-relative advantages A_i = (R_i − mean_g R) / (std + eps)  (MATH.md §1).
+    """Group-relative advantages A_i = (R_i − mean_g R) / (std + eps)  (docs/concepts/index.md#setting-and-notation).
 
     rewards (B,) float, group (B,) int → (B,) float in the dtype of rewards.
     scale: "group" (std of the row's group, unbiased as in TRL), "batch" (std of all rewards),

@@ -1,10 +1,10 @@
-"""Does the gradient on shared tokens cancel? The residual report of MATH.md §3.
+"""Does the gradient on shared tokens cancel? The residual report of docs/concepts/shared-nodes.md.
 
 At node n with members S_n: net coefficient c_n = Σ_{S_n} W_{i,t_n}; exchangeable reference
 c*_n = k_n Σ_{S_n} A_i with k_n = Σ|W| / Σ|A| (c* = 0 exactly for a full-group node, where
 Σ A = 0); residual d_n = c_n − c*_n. Headline: ρ = Σ_n |d_n| / Σ_n (Σ_{S_n} |W| + |c*_n|) ∈ [0, 1].
-At full-group nodes c* = 0 and this is MATH.md's ρ = Σ|d| / Σ|W|. At subset (trie) nodes
-|d_n| can reach |c_n| + |c*_n| ≤ 2 Σ|W| (a residual opposite to the subset's credit), so MATH.md's
+At full-group nodes c* = 0 and this is the paper's ρ = Σ|d| / Σ|W|. At subset (trie) nodes
+|d_n| can reach |c_n| + |c*_n| ≤ 2 Σ|W| (a residual opposite to the subset's credit), so docs/concepts/shared-nodes.md's
 normaliser would let ρ exceed 1; adding |c*_n| keeps ρ in [0, 1] (*our* reading).
 Defined results: ρ = 0 when there is no shared mass (no nodes, or W = 0 there).
 Takes any W — closed form or hook-measured — and assumes nothing about the objective.
@@ -47,7 +47,7 @@ def node_coefficients(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> NodeCoef
     sh = sn.node >= 0
     idx = sn.node[sh]
     z = torch.zeros(sn.n, dtype=dt, device=W.device)
-    A = batch.adv_tokens.detach().to(dt)[sh]  # token advantages at the node (MATH.md §6)
+    A = batch.adv_tokens.detach().to(dt)[sh]  # token advantages at the node (docs/concepts/ibpo.md)
     c = z.index_add(0, idx, W[sh])
     mass = z.index_add(0, idx, W[sh].abs())
     adv_sum = z.index_add(0, idx, A)
@@ -108,7 +108,7 @@ def cancellation(
 
 
 def attribution(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str, float]:
-    """Share of the residual Σ|d| that each mechanism accounts for (MATH.md §3, Attribution).
+    """Share of the residual Σ|d| that each mechanism accounts for (docs/concepts/shared-nodes.md#attribution).
 
     For each of "coupling", "length", "clip": recompute the closed-form W with that mechanism
     switched off and report (res − res_off) / res (0 when res = 0; can be negative when

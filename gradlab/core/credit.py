@@ -1,4 +1,4 @@
-"""Token advantages from counterfactual paths: IBPO's implicit process-level credit (MATH.md §6).
+"""Token advantages from counterfactual paths: IBPO's implicit process-level credit (docs/concepts/ibpo.md).
 
 Every form here is *our reading*: the IBPO paper's formulas are not public. Its authors describe
 comparing several paths sampled for one input, correcting an incorrect path against a correct
@@ -53,7 +53,7 @@ class TrieValues:
 
 
 def trie_values(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor) -> TrieValues:
-    """Node and parent values of every token on its group's prefix trie (MATH.md §6a).
+    """Node and parent values of every token on its group's prefix trie (docs/concepts/ibpo.md#reading-1-values-on-the-groups-prefix-trie).
 
     tokens (B, T), mask (B, T) bool, group (B,), rewards (B,) float → `TrieValues`, values in
     the dtype of rewards. Every member of a node reads one number (from the node's first
@@ -97,7 +97,7 @@ def branch_tokens(tokens: Tensor, mask: Tensor, group: Tensor) -> Tensor:
 
 def process_advantages(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor,
                        form: str = "ga+la", reweight: str = "none", la_weight: float = 1.0) -> Tensor:
-    """Trie token advantages (MATH.md §6a, *ours*), (B, T) in raw reward units, 0 where masked.
+    """Trie token advantages (docs/concepts/ibpo.md#reading-1-values-on-the-groups-prefix-trie, *ours*), (B, T) in raw reward units, 0 where masked.
 
     form: "ga" (V(c) − V(root)), "la" (V(c) − V(p)), "ga+la", "togo" (R_i − V(p));
     reweight: "none" or "sqrt" (÷ √|S_c|). la_weight λ (form "ga+la" only): ga + λ·la, so
@@ -142,7 +142,7 @@ class Alignment:
 
 def edited_tokens(a, b) -> Alignment:
     """Align two token sequences (lists or 1-D tensors, no padding) by a longest common
-    subsequence and return what was edited (MATH.md §6b; the insertion-point rule is *ours*:
+    subsequence and return what was edited (docs/concepts/ibpo.md#reading-2-credit-on-the-edited-tokens-of-a-repair; the insertion-point rule is *ours*:
     it gives every edit a token on both sides, so a pure insertion still names the decision of
     the original path it replaced). Common prefix and suffix are matched first; the middle is
     an O(La·Lb) dynamic programme vectorised per row."""
@@ -205,7 +205,7 @@ def _lcs_ops(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int]]:
 
 def repair_advantages(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor,
                       repair_of: Tensor, lam: float = 0.5) -> Tensor:
-    """Repair token advantages (MATH.md §6b, *ours*), (B, T) raw reward units, 0 where masked.
+    """Repair token advantages (docs/concepts/ibpo.md#reading-2-credit-on-the-edited-tokens-of-a-repair, *ours*), (B, T) raw reward units, 0 where masked.
 
     repair_of (B,) long: for a corrected row y~, the row y it corrects; −1 elsewhere. With
     D = R(y~) − R(y) > 0 and A = R − mean_g R (the group's rows, repairs included):

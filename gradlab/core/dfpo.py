@@ -1,4 +1,4 @@
-"""DFPO: within-group transforms of the token modulation, with stop-gradient (MATH.md §5).
+"""DFPO: within-group transforms of the token modulation, with stop-gradient (docs/concepts/dfpo.md).
 
 Write the base objective's modulation as W_{i,t} = A_i w_{i,t}. At each shared node n with
 members S_n, replace w by w̃:

@@ -2,7 +2,7 @@
 
 The objective reads the batch's terminal `rewards` (and, for the repair form, `repair_of`),
 builds token advantages with `gradlab.core.credit` and hands them to its base: token-level GRPO
-(default) or GSPO-token, so W_{i,t} = A_{i,t} w_{i,t} (MATH.md §6). Every form is *our reading*:
+(default) or GSPO-token, so W_{i,t} = A_{i,t} w_{i,t} (docs/concepts/ibpo.md). Every form is *our reading*:
 the authors describe comparing paths of one input and crediting the tokens a correction edited;
 the formulas are not public. `batch.advantages` is ignored: `prepare(batch)` replaces it with
 the token advantages, and that is what the probes read (c*_n, traces).
@@ -20,7 +20,7 @@ from .losses import GRPO, NORMS, GSPOToken, Objective
 
 
 class IBPO(Objective):
-    """IBPO over a token-level base (*ours*, MATH.md §6).
+    """IBPO over a token-level base (*ours*, docs/concepts/ibpo.md).
 
     form: "ga", "la", "ga+la" (default), "togo" — trie readings (6a); "repair" — the repair
       reading (6b), which needs `batch.repair_of` (repair rollouts, `--rollout repair`).

@@ -15,7 +15,7 @@ from .nodes import NODE_KINDS, shared_nodes
 
 NORMS = ("seq", "token", "const")
 MECHANISMS = ("coupling", "length", "clip")
-CLIPS = ("base", "free")  # DFPO clip readings (MATH.md §5)
+CLIPS = ("base", "free")  # DFPO clip readings (docs/concepts/dfpo.md)
 
 
 def _f(x: Tensor) -> Tensor:
@@ -140,7 +140,7 @@ def _check_eps(name: str, eps) -> tuple[float, float]:
 
 
 class GRPO(Objective):
-    """Token-ratio PPO-clip surrogate with group advantages (MATH.md §2 table).
+    """Token-ratio PPO-clip surrogate with group advantages (docs/concepts/modulation.md#closed-forms).
 
     norm: "seq" (original GRPO, per-sequence mean then batch mean: 1/(B T_i)),
           "token" (DAPO token mean: 1/Σ_j T_j), "const" (Dr. GRPO: 1/(B T_max), T_max = max_len
@@ -176,7 +176,7 @@ class GRPO(Objective):
         return (per_token * self.norm(batch)).sum()
 
     def weight(self, batch: TokenBatch, off: tuple = (), grad: bool = False) -> Tensor:
-        """w with W = A·w (MATH.md §5): (B, T) = norm · r · 1[active]."""
+        """w with W = A·w (docs/concepts/dfpo.md): (B, T) = norm · r · 1[active]."""
         r = self.ratio(batch) if grad else self.ratio(batch).detach()
         act = self.active(batch, r.detach())
         if "clip" in off:
@@ -188,7 +188,7 @@ class GRPO(Objective):
 
 
 class GRPOFix(GRPO):
-    """GRPO-fix — *our reading* (MATH.md §5; the paper does not define it).
+    """GRPO-fix — *our reading* (docs/concepts/modulation.md#objectives-and-their-parameters; the paper does not define it).
 
     Token-level GRPO with constant length normalisation (1/(B T_max)) and clip decisions made
     per shared node: at a node the ratio is the members' mean, and all members are kept when it

@@ -1,7 +1,7 @@
 """Where a group's responses share a token: full-group prefix nodes and prefix-trie nodes.
 
 Two rows of one group share position t when both are masked in at t and agree on every token
-(and mask state) up to and including t (MATH.md §3). Shared positions form a prefix trie; a
+(and mask state) up to and including t (docs/concepts/shared-nodes.md). Shared positions form a prefix trie; a
 *node* is one (group, position, member set) with ≥ 2 members. A *prefix* (full-group) node is
 a node whose members are every row of its group present in the batch.
 
@@ -31,7 +31,7 @@ class SharedNodes:
     position   (N,) long   — the node's response position t
     size       (N,) long   — number of members |S_n|
     token      (N,) long   — the shared token id
-    rep        (N,) long   — one member row (the smallest row index), rep(n) of MATH.md §3
+    rep        (N,) long   — one member row (the smallest row index), rep(n) of docs/concepts/tax.md
     full       (N,) bool   — True when the node spans its whole group (a prefix node)
     kind       "prefix" or "trie"
     """
@@ -150,7 +150,7 @@ def prefix_grid(tokens: Tensor, mask: Tensor, group: Tensor) -> PrefixGrid:
 
 
 def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
-    """Find the shared-token nodes of a batch (MATH.md §3).
+    """Find the shared-token nodes of a batch (docs/concepts/shared-nodes.md).
 
     nodes="prefix": full-group nodes only (all rows of the group agree up to t);
     nodes="trie": every node of each group's prefix trie with ≥ 2 members (prefix nodes included).

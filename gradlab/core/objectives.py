@@ -1,16 +1,16 @@
 """The group-relative policy objectives and their closed-form token modulation W.
 
 Every objective is a loss L that depends on θ only through the per-token log-probs l_{i,t},
-so ∇θL = −Σ W_{i,t} ∇θ l_{i,t} with W := −∂L/∂l (MATH.md §2). Each objective gives
+so ∇θL = −Σ W_{i,t} ∇θ l_{i,t} with W := −∂L/∂l (docs/concepts/modulation.md). Each objective gives
   .loss(batch)        — the loss written the way a trainer writes it (differentiable in logps),
   .modulation(batch)  — W from the closed form, (B, T), zero at masked positions,
 and the tests hold one against the autograd gradient of the other.
 
 Names: "grpo", "grpo-fix", "gspo", "gspo-token", "dfpo" (+ aliases "dfpo-min", "dfpo-orth"),
 "ibpo" (gradlab.core.ibpo: token advantages from counterfactual paths over a token-level base).
-Advantages may be per sequence (B,) or per token (B, T) (MATH.md §6, "Token advantages in any
+Advantages may be per sequence (B,) or per token (B, T) (docs/concepts/ibpo.md, "Token advantages in any
 objective"); (B,) advantages take the original code path bit for bit.
-`.modulation(batch, off=...)` can switch mechanisms off for attribution (MATH.md §3):
+`.modulation(batch, off=...)` can switch mechanisms off for attribution (docs/concepts/shared-nodes.md#attribution):
 "coupling" (s_i → 1), "length" (T_i → the batch's mean length), "clip" (indicators → 1).
 """
 
@@ -52,7 +52,7 @@ class DFPO(Objective):
     supported for base "gspo" only. The loss value with stop_grad=True equals the base
     objective's loss value (the surrogate only changes the gradient).
 
-    clip (our reading, MATH.md §5; the paper calls DFPO "clip-free" without a formula):
+    clip (our reading, docs/concepts/dfpo.md; the paper calls DFPO "clip-free" without a formula):
       "base" (default): w carries the base objective's clip indicator (for GSPO w_i = 0 once s_i
           leaves [1−lo, 1+hi]); Min-Replace then zeroes a whole node when one member is clipped.
       "free": no clip indicator anywhere, shared or not: w = the base w with the indicator set

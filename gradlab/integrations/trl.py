@@ -7,7 +7,7 @@
 
 Your own `GRPOTrainer` subclass: `class T(GradlabMixin, MyGRPOTrainer): pass`.
 
-How, without copying TRL's loss (MATH.md §2): `_compute_loss` is wrapped to arm a flag; the first
+How, without copying TRL's loss (docs/concepts/modulation.md): `_compute_loss` is wrapped to arm a flag; the first
 grad-carrying result of `_get_per_token_logps_and_entropies` inside it (the (B, T) policy
 log-probs; old/ref log-probs come under no_grad) gets a backward hook, which receives −W for
 any `loss_type`, `importance_sampling_level`, clipping or normaliser.

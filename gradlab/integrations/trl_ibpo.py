@@ -1,4 +1,4 @@
-"""IBPO token advantages for TRL's `GRPOTrainer` (trie reading, *ours*: MATH.md §6a).
+"""IBPO token advantages for TRL's `GRPOTrainer` (trie reading, *ours*: docs/concepts/ibpo.md#reading-1-values-on-the-groups-prefix-trie).
 
 `GradlabConfig(loss="ibpo[form=togo,reweight=sqrt]")`: after TRL scores a generation batch, its
 (B,) GRPO advantages are replaced by (B, T) IBPO token advantages computed from the same

@@ -1,4 +1,4 @@
-"""IBPO token advantages as a verl advantage estimator (trie reading, *ours*: MATH.md §6a).
+"""IBPO token advantages as a verl advantage estimator (trie reading, *ours*: docs/concepts/ibpo.md#reading-1-values-on-the-groups-prefix-trie).
 
 `import gradlab.integrations.verl` registers, in verl's advantage-estimator registry
 (`verl.trainer.ppo.core_algos.register_adv_est`, verl ≥ 0.9):

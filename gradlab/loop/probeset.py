@@ -1,4 +1,4 @@
-"""The fixed probe set of a run (MATH.md §4): shared contexts drawn once from the initial
+"""The fixed probe set of a run (docs/concepts/drift.md): shared contexts drawn once from the initial
 policy, whose cumulative KL from that policy is tracked, and two-solution problems whose
 equal-solution log-odds are tracked. Same probe set for every objective of a tandem.
 """

@@ -1,4 +1,4 @@
-"""Prop. 3.1 on real optimizer steps of the tandem (MATH.md §4; the math is in
+"""Prop. 3.1 on real optimizer steps of the tandem (docs/concepts/drift.md; the math is in
 `gradlab.probes.fisher`).
 
 `prop31_tandem(cfg)` runs the tandem loop (the learners, prompts, rollouts and minibatches of

@@ -1,5 +1,5 @@
 """Repair rollouts: G independent responses per group, then a corrected path for each incorrect
-response whose group holds a correct one (MATH.md §6b).
+response whose group holds a correct one (docs/concepts/ibpo.md#reading-2-credit-on-the-edited-tokens-of-a-repair).
 
 For an incorrect row i the reference is the correct row of its group that agrees with it
 longest from the start (ties: the lower row); the departure d is the first response position
@@ -15,7 +15,7 @@ the position it starts from (d, except for "local"):
   from position p_k = max(e − 1, d) − k of i, where e is the position of i's stop token (its
   length if it has none): the last token before the stop first, then one position earlier per
   try, never before d; the first correct try is kept (KV cache reused as in "resample"). This is
-  our reading of "local repair works better than rewriting" (MATH.md §6): edit the fewest final
+  our reading of "local repair works better than rewriting" (docs/concepts/ibpo.md): edit the fewest final
   tokens that fix the response. Why late positions: any p > d lies in i's own branch (no correct
   row shares i's first p + 1 tokens, since the reference is the longest-agreeing one), so a
   correct try that leaves i at q ≥ p makes the trie node i[:q] informative (children: i,

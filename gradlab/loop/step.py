@@ -1,6 +1,6 @@
 """One optimizer step of the loop, written out: log-probs → loss (hook on the (B, T) log-probs)
 → backward → probes (they return numbers) → optimizer. Also the scheduled learning tax and the
-drift of the step just taken (MATH.md §3–4), and how a rollout batch is cut into steps.
+drift of the step just taken (docs/concepts/shared-nodes.md, docs/concepts/drift.md), and how a rollout batch is cut into steps.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def _chunks(n: int, cfg: RunConfig) -> range:
 
 def tax_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
              W: torch.Tensor, sn) -> dict:
-    """The parameter-space learning tax g_tax at full-group nodes (MATH.md §3), from a
+    """The parameter-space learning tax g_tax at full-group nodes (docs/concepts/tax.md), from a
     forward + backward over the nodes' representative rows, truncated after the shared prefix
     (see `gradlab.probes.tax.tax_from_reps`; a test holds it to `learning_tax`), in chunks of
     `micro_batch` rows whose g_tax add up."""
@@ -336,7 +336,7 @@ def _node_chunks(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn):
 @torch.no_grad()
 def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
                before: NodesBefore | None, sn, heavy: bool, acc: StepMetrics) -> None:
-    """How the step just taken moved the policy (MATH.md §4).
+    """How the step just taken moved the policy (docs/concepts/drift.md).
 
     before: π_before at the full-group nodes of `sn` (`node_logprobs`; None when there is no
     node). Every step: Δ log π of the shared token at every node, and KL(π_before ‖ π_after)

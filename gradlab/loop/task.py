@@ -6,8 +6,8 @@ Two tasks share one interface (`problems`, `reward`, `is_correct`, `solution_for
 - `ArithmeticTask`: seeded multi-digit addition. Prompt ``"34+57=?"``; the two equally correct
   responses are ``"so 34+57=91"`` (form 0, operands in prompt order) and ``"so 57+34=91"``
   (form 1, swapped). Every response of a group starts with the template prefix ``"so "``, so the
-  G responses of one prompt share their first tokens (the shared nodes of MATH.md section 3), and
-  the first operand is the branch point between the two solution forms (MATH.md section 4).
+  G responses of one prompt share their first tokens (the shared nodes of docs/concepts/shared-nodes.md), and
+  the first operand is the branch point between the two solution forms (docs/concepts/drift.md#entropy-collapse).
 - `JsonlTask`: any ``{"prompt": ..., "answer": ...}`` file (optional ``"solutions": [...]``).
 
 The answer extractor is the same for both: the text after the last ``"="`` of the response,
@@ -348,7 +348,7 @@ class ScaffoldTask:
     Why: every response of a group shares the preamble (≥ 60 % of response tokens sit at
     full-group nodes), while the number of worked steps follows the prompt's term count, so a
     response that skips or adds a step (wrong) is shorter or longer than a right one and GSPO's
-    1/T_i and sequence ratio differ inside a group (MATH.md §3: the length mechanism).
+    1/T_i and sequence ratio differ inside a group (docs/concepts/shared-nodes.md: the length mechanism).
     """
 
     name = "scaffold"

@@ -11,7 +11,7 @@ position) of a masked-in response token:
     A                           the row's advantage
     r                           token ratio exp(l − l_old)
     s                           sequence ratio exp(mean_t(l − l_old)) (GSPO's s_i)
-    W                           hook-measured W = −∂loss/∂l (MATH.md §2), the loss's own scale
+    W                           hook-measured W = −∂loss/∂l (docs/concepts/modulation.md), the loss's own scale
     W_closed                    the objective's closed-form W on the same batch (NaN if none)
     clip                        True where the objective's clip zeroes W (closed form with the
                                 clip switched off is non-zero, with it on zero)

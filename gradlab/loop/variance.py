@@ -1,4 +1,4 @@
-"""The variance claim, measured (MATH.md §6): at one fixed policy and one fixed prompt set, draw
+"""The variance claim, measured (docs/concepts/variance.md): at one fixed policy and one fixed prompt set, draw
 K + R rollout batches and compute every objective's policy gradient on the *same* samples.
 
 Per batch: one rollout (`draw`, layout `rollout`), one forward for the (B, T) log-probs, one

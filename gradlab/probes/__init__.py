@@ -1,4 +1,4 @@
-"""Probes on real backward passes (MATH.md §2–5).
+"""Probes on real backward passes (docs/concepts/).
 
 - `ModulationProbe`, `Schedule`: measure W = −∂loss/∂logps with a hook, for any loss.
 - `learning_tax`, `layer_groups`: the parameter-space residual g_tax, overall and per group.

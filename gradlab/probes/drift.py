@@ -1,4 +1,4 @@
-"""Drift of the policy at shared contexts, and entropy collapse (MATH.md §4).
+"""Drift of the policy at shared contexts, and entropy collapse (docs/concepts/drift.md).
 
 Pure functions on log-prob tensors: the training loop does the forwards (before and after an
 optimizer step, or on a fixed probe set) and hands the (…, V) log-softmax outputs here.
@@ -141,7 +141,7 @@ def shared_drift(logp_before: Tensor, logp_after: Tensor, token: Tensor,
 
 
 def equal_solution_logodds(logp_a: Tensor, logp_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Log-odds and binary entropy between two equally correct solutions (MATH.md §4, Cor. 3.2).
+    """Log-odds and binary entropy between two equally correct solutions (docs/concepts/drift.md#entropy-collapse, Cor. 3.2).
 
     logp_a, logp_b: sequence log-probs log π(y_a), log π(y_b) (any equal shapes, nats).
     Returns (log_odds = log π(y_a) − log π(y_b), h(p) in nats with p = σ(log_odds)), computed

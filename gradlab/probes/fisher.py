@@ -1,5 +1,5 @@
 """Prop. 3.1 on real steps: the Fisher quadratic form ½ δᵀF(h)δ of a parameter step δ at a
-context h, against the measured KL(π_θ(·|h) ‖ π_θ+δ(·|h)) (MATH.md §4).
+context h, against the measured KL(π_θ(·|h) ‖ π_θ+δ(·|h)) (docs/concepts/drift.md).
 
 F(h) is the Fisher of the next-token distribution at h: F = Σ_y π_y ∇log π_y ∇log π_yᵀ.
 Since E_π[∇log π] = 0,

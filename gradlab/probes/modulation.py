@@ -1,4 +1,4 @@
-"""Measure the effective token modulation W = −∂loss/∂l on a real backward pass (MATH.md §2).
+"""Measure the effective token modulation W = −∂loss/∂l on a real backward pass (docs/concepts/modulation.md).
 
 A backward hook on the (B, T) per-token log-prob tensor receives ∂loss/∂l, whatever the loss
 is (a built-in objective, a trainer's, a hand-written one). Negated, that is W:

@@ -1,4 +1,4 @@
-"""What one optimizer step's measured W says (MATH.md §3), as numbers for the metrics to record.
+"""What one optimizer step's measured W says (docs/concepts/shared-nodes.md), as numbers for the metrics to record.
 
 `measure_step` takes the hook-measured W of a step and returns `StepReadings`: residual, mass
 and scale sums at full-group (prefix) and trie nodes (ρ = Σ residual / Σ scale over a rollout

@@ -1,12 +1,12 @@
 """The parameter-space learning tax: the part of the update paid for by shared-token residuals.
 
-MATH.md §3: at node n the shared tokens contribute (Σ_{S_n} W) ∇θ l_rep(n) to −∇θL; of that,
+docs/concepts/tax.md: at node n the shared tokens contribute (Σ_{S_n} W) ∇θ l_rep(n) to −∇θL; of that,
 c*_n ∇l is legitimate exchangeable credit and d_n = c_n − c*_n is the residual. So the loss
 gradient splits as g_total = g_rest + g_tax with
 
     g_tax = −Σ_n d_n ∇θ l_{rep(n), t_n}          (loss-gradient sign, same as param.grad)
 
-(MATH.md writes the ascent direction Σ_n d_n ∇l; norms, shares and cosines are the same.)
+(docs/concepts/tax.md writes the ascent direction Σ_n d_n ∇l; norms, shares and cosines are the same.)
 One extra backward over the retained graph gives g_tax exactly:
 torch.autograd.grad(logps, params, grad_outputs=−D), D (B, T) holding d_n at (rep(n), t_n).
 """

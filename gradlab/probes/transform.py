@@ -1,4 +1,4 @@
-"""DFPO as a gradient transform: a hook that turns any base loss's W into DFPO's W̃ (MATH.md §5).
+"""DFPO as a gradient transform: a hook that turns any base loss's W into DFPO's W̃ (docs/concepts/dfpo.md).
 
 The hook on the (B, T) log-prob tensor receives ∂L/∂l = −W and returns −W̃, so the parameter
 gradient is the one of L = −Σ sg(W̃) l, for whatever base loss L was written:

@@ -1,5 +1,4 @@
-"""Gradient-noise statistics of K policy gradients drawn at one fixed policy (MATH.md §6, "the
-claim to test is variance"). Pure numpy on Gram matrices: every statistic below is a function of
+"""Gradient-noise statistics of K policy gradients drawn at one fixed policy (docs/concepts/variance.md). Pure numpy on Gram matrices: every statistic below is a function of
 the inner products of the K batch gradients with each other and with a reference gradient, so a
 bootstrap over batches never touches the (K, P) gradients again.
 

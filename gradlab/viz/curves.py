@@ -8,11 +8,13 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless by default; notebooks switch back with %matplotlib inline
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 CURVES = [
-    ("accuracy", "accuracy"),
+    ("accuracy", "training accuracy"),
     ("reward", "reward"),
     ("rho_prefix", "cancellation ratio ρ (full-group nodes)"),
     ("rho_trie", "cancellation ratio ρ (trie nodes)"),
@@ -21,44 +23,127 @@ CURVES = [
     ("entropy", "token entropy (nats)"),
     ("logodds", "equal-solution log-odds log π(a)/π(b)"),
 ]
+LOG = ("rho_prefix", "rho_trie", "tax_share")  # span float round-off (~1e-9) to ~0.3: log axes
+HELDOUT = "eval_accuracy"  # drawn as points in the training-accuracy panel
+
+
+def _same_curve(tidy: pd.DataFrame, a: str, b: str) -> bool:
+    """Whether metrics a and b hold the same value at every (run, objective, seed, step)."""
+    def series(m: str) -> pd.Series:
+        return tidy[tidy["metric"] == m].set_index(["run", "objective", "seed", "step"])["value"]
+    x, y = series(a), series(b)
+    return len(x) > 0 and len(x) == len(y) and bool(((x - y.reindex(x.index)).abs() < 1e-12).all())
+
+
+def panels(tidy: pd.DataFrame, metrics=CURVES) -> list[tuple[str, str]]:
+    """The (metric, title) panels to draw: those present, and reward only where it differs
+    from accuracy (a 0/1 verifier makes them one curve; the accuracy panel then says so)."""
+    have = [(m, t) for m, t in metrics if m in set(tidy["metric"])]
+    names = [m for m, _ in have]
+    if "accuracy" in names and "reward" in names and _same_curve(tidy, "accuracy", "reward"):
+        have = [(m, t + " = reward (0/1 rewards)" if m == "accuracy" else t)
+                for m, t in have if m != "reward"]
+    return have
+
+
+def _sampled_every(tidy: pd.DataFrame, m: str) -> int:
+    """k when metric m is measured every k > 1 steps (e.g. --tax-every), 0 when at one step
+    only while the run has more, else 1 (every step)."""
+    steps = sorted(set(tidy.loc[tidy["metric"] == m, "step"].dropna().astype(int)))
+    if len(steps) >= tidy["step"].nunique():
+        return 1
+    return int(np.median(np.diff(steps))) if len(steps) > 1 else 0
 
 
 def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
-                    smooth: int = 1, log: tuple = (), floor: float = 1e-6,
+                    smooth: int = 1, log: tuple = LOG, floor: float = 1e-6,
                     title: str | None = None) -> plt.Figure:
     """One panel per metric, one line per objective (mean and 95 % bootstrap band over seeds).
 
-    smooth: rolling mean over that many points of each seed's curve (1 = raw). log: metrics
-    drawn on a log axis; there values below `floor` (float round-off, e.g. ρ of an objective
-    that cancels exactly) are raised to it and the band under it is shaded. title: figure title.
+    Reward is left out where it equals accuracy (`panels`); held-out accuracy (eval_accuracy)
+    is drawn as points next to training accuracy; a metric measured every k steps (the tax)
+    is drawn as points at its steps. Each objective keeps one colour and dash in every panel
+    (identical curves stay visible), and one legend sits above the panels. smooth: rolling
+    mean over that many points of each seed's curve (1 = raw; not applied to points). log:
+    metrics drawn on a log axis; there values below `floor` (float round-off, e.g. ρ of an
+    objective that cancels exactly) are raised to it and the band under it is shaded.
     """
-    have = [(m, t) for m, t in metrics if m in set(tidy["metric"])]
-    ncol = 2
-    nrow = max(1, (len(have) + 1) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(11, 3.2 * nrow), squeeze=False)
+    tidy = tidy[tidy["value"].notna()]  # the store melts unmeasured steps to NaN
+    have = panels(tidy, metrics)
+    objs = list(dict.fromkeys(tidy["objective"].dropna()))
+    palette = dict(zip(objs, sns.color_palette(n_colors=max(len(objs), 1))))
+    dashes = dict(zip(objs, [(1, 0), (4, 2), (1, 1.5), (6, 2, 1, 2), (3, 1, 1, 1, 1, 1)] * 10))
+    ncol = 2 if len(have) > 1 else 1
+    nrow = max(1, -(-len(have) // ncol))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.5 * ncol, 3.0 * nrow), squeeze=False)
     for ax, (m, label) in zip(axes.flat, have):
+        k = _sampled_every(tidy, m)
         d = tidy[tidy["metric"] == m].copy()
-        if smooth > 1:
+        if smooth > 1 and k == 1:
             d["value"] = d.groupby(["run", "objective", "seed"])["value"].transform(
                 lambda s: s.rolling(smooth, min_periods=1).mean())
         if m in log:
             d["value"] = d["value"].clip(lower=floor)
-        sns.lineplot(data=d, x=x, y="value", hue="objective", ax=ax, errorbar=("ci", 95),
-                     n_boot=500, seed=0)
+        if k == 1:
+            sns.lineplot(data=d, x=x, y="value", hue="objective", style="objective", ax=ax,
+                         errorbar=("ci", 95), n_boot=500, seed=0, palette=palette,
+                         hue_order=objs, style_order=objs, dashes=dashes, legend=False)
+        else:  # measured every k steps: points at those steps, nothing in between
+            _points(ax, d, x, objs, palette, "o")
+            label += f" (measured every {k} steps)" if k else " (measured at one step)"
+        if m == "accuracy" and HELDOUT in set(tidy["metric"]):
+            _points(ax, tidy[tidy["metric"] == HELDOUT], x, objs, palette, "D")
+            label = label.replace("training accuracy", "accuracy: training (lines)") + ", held-out (◆)"
         if m in log:
             ax.set_yscale("log")
-            ax.axhspan(floor / 10, floor, color="0.85", zorder=0, label="float round-off")
+            ax.axhspan(floor / 10, floor, color="0.85", zorder=0)
             ax.set_ylim(bottom=floor / 10)
-        ax.set_title(label, fontsize=10)
+        ax.set_title(label, fontsize=9)
         ax.set_xlabel("rollout tokens consumed" if x == "tokens" else x)
         ax.set_ylabel("")
-        ax.legend(fontsize=7)
+        if x == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    xs = tidy[x].dropna() if x in tidy else pd.Series(dtype=float)
+    for ax in list(axes.flat)[: len(have)]:
+        if len(xs) and xs.min() < xs.max():  # every panel spans the whole run, points included
+            pad = 0.03 * (xs.max() - xs.min())
+            ax.set_xlim(xs.min() - pad, xs.max() + pad)
     for ax in list(axes.flat)[len(have):]:
         ax.set_visible(False)
+    _legend(fig, objs, palette, dashes, any(m in log for m, _ in have), floor,
+            HELDOUT in set(tidy["metric"]) and any(m == "accuracy" for m, _ in have))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.0 * nrow + 0.5)))
     if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        fig.suptitle(title, fontsize=10, y=1.02)
     return fig
+
+
+def _points(ax: plt.Axes, d: pd.DataFrame, x: str, objs: list, palette: dict, marker: str) -> None:
+    """Mean over seeds at each x as a marker (±1.96 standard errors where there are several
+    seeds); each objective's marker a size smaller than the last, so equal values stay visible."""
+    for i, o in enumerate(objs):
+        g = d[d["objective"] == o].groupby(x)["value"]
+        if not len(g):
+            continue
+        mean, sem = g.mean(), g.sem().fillna(0)
+        ax.errorbar(mean.index, mean.values, yerr=1.96 * sem.values, color=palette[o],
+                    marker=marker, markersize=max(9 - 1.6 * i, 3), linestyle="",
+                    markeredgecolor="white", markeredgewidth=0.6, zorder=3 + i)
+
+
+def _legend(fig: plt.Figure, objs: list, palette: dict, dashes: dict, band: bool, floor: float,
+            heldout: bool) -> None:
+    """One legend above the panels (never over the data)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Line2D([], [], color=palette[o], dashes=dashes[o], label=o) for o in objs]
+    if heldout:
+        handles.append(Line2D([], [], color="0.3", marker="D", linestyle="", label="held-out"))
+    if band:
+        handles.append(Patch(color="0.85", label=f"< {floor:g}: float round-off"))
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 6), fontsize=8,
+               frameon=False, bbox_to_anchor=(0.5, 1.0))
 
 
 def save(fig: plt.Figure, path: str | Path) -> Path:

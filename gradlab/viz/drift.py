@@ -1,4 +1,4 @@
-"""Drift over training (MATH.md §4): cumulative KL at the fixed probe contexts (`probe_kl`) and
+"""Drift over training (docs/concepts/drift.md): cumulative KL at the fixed probe contexts (`probe_kl`) and
 the one-step KL at each step's own shared nodes (`drift_node_kl_mean`), from the tidy table."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cancellation residuals per shared node, from token traces, and their distribution.
 
-At a node n (a set S_n of rows sharing a token at position t, MATH.md §3) the traced W give
+At a node n (a set S_n of rows sharing a token at position t, docs/concepts/shared-nodes.md) the traced W give
 the net coefficient Σ_{i∈S_n} W_i and the mass Σ|W_i|; at full-group nodes the exact residual
 is the net coefficient (the exchangeable reference c* is 0 there). At a trie node that is not
 full, the reference is not 0: this table reports the net coefficient only — use

@@ -15,7 +15,7 @@ from .curves import plt
 
 COLORS = {"full": "#4C72B0", "subset": "#A6C8E8", "none": "#F28E2B"}
 
-# MATH.md §5, the consequence drawn under every strip figure.
+# docs/concepts/dfpo.md#one-gradient-for-every-transform-at-full-group-nodes: the consequence drawn under every strip figure.
 CAPTION = ("At full-group nodes every DFPO transform (Min-Replace, Orth-Proj, any clip reading) "
            "gives the same parameter gradient: the node adds (Σ_i A_i w̃_i)·∇l = 0. "
            "The W strips differ; the step does not.")
@@ -89,7 +89,7 @@ def token_strips(df: pd.DataFrame, title: str | None = None, caption: str | None
                  ncols: int = 2) -> plt.Figure:
     """Panels of token strips: colour = shared kind, W (scaled) under each token, Σ_i W row.
 
-    df: a strip table (module docstring). caption: text under the strips (default MATH.md §5's
+    df: a strip table (module docstring). caption: text under the strips (default: the consequence in docs/concepts/dfpo.md,
     consequence for DFPO transforms at full-group nodes; None = none).
     """
     scale = 10.0 ** -np.floor(np.log10(df["W"].abs().max() or 1.0))

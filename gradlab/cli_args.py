@@ -1,0 +1,189 @@
+"""The options of the `gradlab` sub-commands other than run/tandem/reproduce (whose options are
+RunConfig's fields, gradlab/cli.py), and the argument checks that need the file system or torch.
+
+Each check raises `ConfigError` with one line naming the option and its valid values; the CLI
+prints it and exits 2. They run before any work (no model is loaded, nothing is written).
+Nothing here imports torch at module level: `gradlab --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .core.variants import split_top
+from .loop.config import ConfigError
+
+
+def _table_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--G", type=int, default=8, help="responses per group (≥ 2; default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic groups (≥ 0)")
+    p.add_argument("--off-policy", type=float, default=0.3,
+                   help="log-ratio scale of the off-policy rows (> 0; default 0.3)")
+
+
+def _view_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run folder")
+    p.add_argument("--out", default=None, help="HTML file (default RUN/view.html)")
+    p.add_argument("--watch", type=float, default=0, metavar="SECONDS",
+                   help="re-write the page every SECONDS while the run trains (the page "
+                        "reloads itself) until every step is checkpointed, or Ctrl-C")
+
+
+ROLLOUTS = ("independent", "tree", "repair")  # gradlab.loop.variance.ROLLOUTS (torch-free copy)
+VARIANCE_OBJECTIVES = "grpo,gspo,dfpo-min,dfpo-orth,ibpo[form=ga],ibpo[form=la],ibpo[form=ga+la],ibpo[form=togo],ibpo[base=gspo]"
+
+
+def _variance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="arithmetic", help="'arithmetic', 'scaffold' or a .jsonl file")
+    p.add_argument("--objectives", default=VARIANCE_OBJECTIVES,
+                   help="comma-separated, with parameters as for tandem: 'grpo,ibpo[form=ga+la]'")
+    p.add_argument("--K", type=int, default=32, help="rollout batches whose gradients give the "
+                   "noise and its bootstrap interval (≥ 2; default 32)")
+    p.add_argument("--reference-batches", type=int, default=128,
+                   help="further batches whose mean gradient is the reference (≥ 2; default 128)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch (the same in every batch)")
+    p.add_argument("--G", type=int, default=8, help="responses per prompt (≥ 2)")
+    p.add_argument("--rollout", default="independent", choices=ROLLOUTS, help="rollout layout")
+    p.add_argument("--checkpoint", default=None, help="a run's checkpoints/<objective> folder or "
+                   "a Hugging Face model folder (default: the task's shipped warm start)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/variance", help="folder for variance.csv, variance.png "
+                   "and summary.md")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--update", action="store_true", help="rewrite the baseline")
+    p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
+                                      "none unless given)")
+    p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
+    p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
+                   help="for --loss: must it cancel everywhere (default), show a residual "
+                        "somewhere, or only match the baseline")
+    p.add_argument("--only", help="only scenarios whose name contains this string")
+    p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+
+
+def _audit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trainer", choices=["trl", "verl"], help="the trainer to audit "
+                   "(its options: gradlab audit TRAINER --help)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when "
+                   "present; default auto)")
+    p.add_argument("--out", default=None, help="also write the Markdown report to this file "
+                   "(default: printed only)")
+    p.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="skip the one-step training run")
+
+
+def require(option: str, value: object, ok: bool, valid: str) -> None:
+    """`--option: value is invalid; must be valid` unless ok."""
+    if not ok:
+        raise ConfigError(f"--{option}: {value!r} is invalid; must be {valid}")
+
+
+def check_device(device: str) -> None:
+    """A CUDA device must exist here (the name itself is checked by RunConfig)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device: {device!r}, but torch {torch.__version__} sees no CUDA GPU "
+                          "on this machine; valid here: cpu")
+    index = device.partition(":")[2]
+    n = torch.cuda.device_count()
+    if index and (not index.isdigit() or int(index) >= n):
+        raise ConfigError(f"--device: {device!r}; valid here: cpu, cuda, "
+                          + ", ".join(f"cuda:{i}" for i in range(n)))
+
+
+def _model_config(path: str, option: str) -> dict:
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{option}: no Hugging Face model folder (config.json) at {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{option}: {path}/config.json is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{option}: {path}/config.json is not a JSON object")
+    return data
+
+
+def check_model(path: str | None, trust_remote_code: bool = False, option: str = "--model") -> None:
+    """A model folder whose config.json names a model_type this transformers knows (or code
+    it is allowed to run: `--trust-remote-code` with an auto_map)."""
+    if path is None:
+        return
+    data = _model_config(path, option)
+    if trust_remote_code and "auto_map" in data:
+        return
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    kind = data.get("model_type")
+    if kind not in CONFIG_MAPPING:
+        raise ConfigError(f"{option}: {path}/config.json names model_type {kind!r}, which "
+                          f"transformers {transformers.__version__} does not know (e.g. qwen3, "
+                          "llama, qwen2; a newer transformers may)")
+
+
+def check_run_folder(run: str, need_metrics: bool = True) -> None:
+    """A run folder with a readable config.json and (unless watching) some metrics."""
+    from .loop.resume import read_config
+
+    path = Path(run)
+    if not path.is_dir():
+        raise ConfigError(f"run folder {run!r} does not exist (give the --out of a run)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{run} is not a run folder (no config.json)")
+    read_config(path / "config.json")  # a corrupt file: one line naming it
+    metrics = [path / "metrics.jsonl", *path.glob("*/metrics.jsonl")]
+    if need_metrics and not any(m.is_file() and m.stat().st_size > 0 for m in metrics):
+        raise ConfigError(f"{run} has no metrics yet (metrics.jsonl is missing or empty): nothing "
+                          "to show; use --watch SECONDS while it trains")
+
+
+def check_task(task: str) -> None:
+    if task not in ("arithmetic", "scaffold") and not (task.endswith(".jsonl") and Path(task).is_file()):
+        raise ConfigError(f"--task: {task!r}; valid: arithmetic, scaffold or a path to an "
+                          "existing .jsonl file")
+
+
+def check_variance_args(a: argparse.Namespace) -> list[str]:
+    """The options of `gradlab variance`; returns the objective names (each one built once)."""
+    check_task(a.task)
+    for opt, value, ok, valid in (
+            ("K", a.K, a.K >= 2, "≥ 2 (the interval is a bootstrap over K batches)"),
+            ("reference-batches", a.reference_batches, a.reference_batches >= 2, "≥ 2"),
+            ("prompts", a.prompts, a.prompts >= 1, "≥ 1"),
+            ("G", a.G, a.G >= 2, "≥ 2 (a group needs two responses to compare)"),
+            ("seed", a.seed, a.seed >= 0, "≥ 0"),
+            ("threads", a.threads, a.threads >= 0, "≥ 0 (0 = torch's current count)")):
+        require(opt, value, ok, valid)
+    ckpt = Path(a.checkpoint) if a.checkpoint is not None else None
+    if ckpt is not None and (ckpt / "config.json").is_file():  # a Hugging Face model folder
+        check_model(a.checkpoint, option="--checkpoint")
+    elif ckpt is not None and not ((ckpt / "model.safetensors").is_file()
+                                   and (ckpt.parent.parent / "config.json").is_file()):
+        raise ConfigError(f"--checkpoint: {a.checkpoint!r} is neither a Hugging Face model "
+                          "folder (config.json) nor a run's checkpoints/<objective> folder")
+    try:
+        names = split_top(a.objectives)
+    except ValueError as e:
+        raise ConfigError(f"--objectives: {e}") from None
+    if not names:
+        raise ConfigError("--objectives: give at least one objective")
+    from .core import objectives
+
+    for name in names:
+        try:
+            objectives.get(name)
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
+    return names
