@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, fields
+from pathlib import Path
 
 from .cli_args import (
     _audit_args,
@@ -188,17 +189,96 @@ def cmd_train(a: argparse.Namespace) -> int:
 command("tandem", "train several objectives side by side from one start", _add_config_args)(cmd_train)
 
 
-@command("reproduce", "the main job: default tandem + figures + summary",
-         lambda p: _add_config_args(p, {"out": "runs/reproduce"}))
+# the main job's reference bands (gradlab/loop/reference.py), named without importing it
+REFERENCE = str(Path(__file__).resolve().parent / "data" / "reproduce_reference.json")
+
+
+def _reproduce_args(p: Parser) -> None:
+    _add_config_args(p, {"out": "runs/reproduce"})
+    p.add_argument("--check", nargs="?", const=REFERENCE, default=None, metavar="REFERENCE",
+                   help="after the run, compare its numbers with the reference bands (the "
+                   "shipped main-job reference by default) and print inside / outside per "
+                   "number; exit 1 when any is outside (docs/guides/comparisons.md)")
+
+
+@command("reproduce", "the main job: default tandem + figures + summary", _reproduce_args)
 def cmd_reproduce(a: argparse.Namespace) -> int:
     from .loop.reproduce import reproduce
     from .viz.summary import run_table
 
     cfg = _checked_config(a)
+    ref = _reference(a.check) if a.check else None  # a bad file: refused before any work
     t0 = time.time()
     reproduce(cfg, resume=a.resume)  # the full summary: OUT/summary.md
     print(run_table(cfg.out))
     print(f"done in {time.time() - t0:.0f} s; run folder: {cfg.out} (summary.md, figures/)")
+    if ref is None:
+        return 0
+    from .loop.reference import check, report
+    from .loop.reproduce import summarize
+    from .loop.store import load_run
+
+    rows = check(summarize(load_run(cfg.out)), ref)
+    print(report(rows, ref))
+    return 0 if rows["inside"].all() else 1
+
+
+def _reference(path: str) -> dict:
+    from .loop.reference import load_reference
+
+    try:
+        return load_reference(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"--check: {e}") from None
+
+
+def _eval_args(p: Parser) -> None:
+    p.add_argument("path", help="a run folder (each objective's final checkpoint), one "
+                   "checkpoint folder (RUN/checkpoints/NAME) or a Hugging Face model folder")
+    p.add_argument("--problems", default="256", help="held-out problems: a number ≥ 1, or 'all' "
+                   "(the whole held-out split of a built-in or JSONL task; default 256)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="sampled responses per problem (≥ 1; default 1)")
+    p.add_argument("--seed", type=int, default=0, help="evaluation seed (≥ 0): 0 = the loop's "
+                   "own held-out set; another seed draws other problems and samples")
+    p.add_argument("--objective", default=None, help="one objective of a run folder (default: all)")
+    p.add_argument("--task", default=None, choices=("arithmetic", "scaffold"),
+                   help="the task of a model folder (default arithmetic; a run names its own)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (> 0; default 1)")
+    p.add_argument("--out", default=None, help="also write the tidy table as CSV to this file")
+
+
+@command("eval", "score a run, a checkpoint or a model on the held-out set: greedy, sampled and "
+         "the exact expected accuracy", _eval_args)
+def cmd_eval(a: argparse.Namespace) -> int:
+    from .cli_args import require
+
+    problems = a.problems if a.problems == "all" else (
+        int(a.problems) if a.problems.isdigit() else None)
+    require("problems", a.problems, problems == "all" or (problems or 0) >= 1,
+            "a number ≥ 1 or 'all'")
+    require("samples", a.samples, a.samples >= 1, "≥ 1")
+    require("seed", a.seed, a.seed >= 0, "≥ 0")
+    require("temperature", a.temperature, a.temperature > 0, "> 0")
+    if not Path(a.path).exists():
+        raise ConfigError(f"{a.path}: no such run, checkpoint or model folder")
+    from .loop.evaluation import evaluate_path
+
+    try:
+        df = evaluate_path(a.path, problems, a.samples, a.seed, a.objective, a.task,
+                           a.temperature)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = df.assign(score=(100 * df["value"]).map("{:.1f}".format) + " ± " +
+                  (100 * df["se"]).map("{:.1f}".format))
+    print(t.pivot(index="policy", columns="metric", values="score").to_markdown())
+    n = int(df["n_problems"].iloc[0])
+    print(f"held-out accuracy (%) ± its standard error over {n} problems, eval seed {a.seed}; "
+          "accuracy_expected: exact, no sampling noise")
+    if a.out:
+        df.to_csv(a.out, index=False)
+        print(f"wrote {a.out}")
     return 0
 
 

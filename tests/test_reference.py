@@ -65,3 +65,23 @@ def test_bad_reference_files(tmp_path):
         load_reference(tmp_path / "other.json")
     with pytest.raises(ValueError, match="at least 3 seeds"):
         make_reference([pd.DataFrame({"objective": ["grpo"]})] * 2, [0, 1], {})
+
+
+def test_reproduce_check_end_to_end(quick, tmp_path, capsys):
+    """`gradlab reproduce --check REF` at the reference's own configuration and seed: every
+    number inside, exit 0 (same machine: bitwise); a band moved off the run's value: exit 1."""
+    from gradlab.cli import main
+
+    d, ref, _ = quick
+    args = ["reproduce", "--steps", "3", "--prompts", "2", "--G", "4", "--minibatches", "2",
+            "--probe-contexts", "2", "--tax-every", "1", "--ckpt-every", "100", "--eval-every", "3",
+            "--eval-size", "16", "--threads", "1", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "a"), "--check", str(d / "reproduce_reference.json")]) == 0
+    out = capsys.readouterr().out
+    assert "all inside" in out and "OUTSIDE" not in out
+    moved = json.loads((d / "reproduce_reference.json").read_text())
+    band = moved["numbers"]["gspo/rho_trie"]
+    band["lo"], band["hi"] = band["hi"] + 1, band["hi"] + 2
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    assert main(args + ["--out", str(tmp_path / "b"), "--check", str(tmp_path / "moved.json")]) == 1
+    assert "1 of 28 numbers OUTSIDE" in capsys.readouterr().out
