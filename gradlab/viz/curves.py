@@ -58,7 +58,7 @@ def _sampled_every(tidy: pd.DataFrame, m: str) -> int:
 def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
                     smooth: int = 1, log: tuple = LOG, floor: float = 1e-6,
                     title: str | None = None) -> plt.Figure:
-    """One panel per metric, one line per objective (mean and 95 % bootstrap band over seeds).
+    """One panel per metric, one line per objective (mean and 95 % Student-t band over seeds).
 
     Reward is left out where it equals accuracy (`panels`); held-out accuracy (eval_accuracy)
     is drawn as points next to training accuracy; a metric measured every k steps (the tax)
@@ -86,7 +86,7 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
             d["value"] = d["value"].clip(lower=floor)
         if k == 1:
             sns.lineplot(data=d, x=x, y="value", hue="objective", style="objective", ax=ax,
-                         errorbar=("ci", 95), n_boot=500, seed=0, palette=palette,
+                         errorbar=_t_band, palette=palette,
                          hue_order=objs, style_order=objs, dashes=dashes, legend=False)
         else:  # measured every k steps: points at those steps, nothing in between
             _points(ax, d, x, objs, palette, "o")
@@ -118,15 +118,27 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
     return fig
 
 
+def _t_band(values) -> tuple[float, float]:
+    """95 % Student-t interval of the mean over seeds (a small-n band; one seed: the value)."""
+    from ..stats import mean_interval
+
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return (np.nan, np.nan)
+    r = mean_interval(v)
+    return r["lo"], r["hi"]
+
+
 def _points(ax: plt.Axes, d: pd.DataFrame, x: str, objs: list, palette: dict, marker: str) -> None:
-    """Mean over seeds at each x as a marker (±1.96 standard errors where there are several
+    """Mean over seeds at each x as a marker (with its 95 % t interval where there are several
     seeds); each objective's marker a size smaller than the last, so equal values stay visible."""
     for i, o in enumerate(objs):
         g = d[d["objective"] == o].groupby(x)["value"]
         if not len(g):
             continue
-        mean, sem = g.mean(), g.sem().fillna(0)
-        ax.errorbar(mean.index, mean.values, yerr=1.96 * sem.values, color=palette[o],
+        mean, band = g.mean(), g.agg(lambda v: np.subtract(*_t_band(v)[::-1]) / 2)
+        ax.errorbar(mean.index, mean.values, yerr=band.values, color=palette[o],
                     marker=marker, markersize=max(9 - 1.6 * i, 3), linestyle="",
                     markeredgecolor="white", markeredgewidth=0.6, zorder=3 + i)
 
