@@ -153,9 +153,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         params = [p for p in ctx.out.params]
         want = [hs.detach().requires_grad_(ctx.needs_input_grad[0])] + params
         with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
-            raw = ctx.out(want[0])  # (c, V), the forward's dtype, with its graph
+            # (1, c, V), the forward's dtype, with its graph; kept 3-D so autograd does not
+            # zero-fill a (1, c, V) buffer to take the row select's gradient
+            raw = ctx.out(want[0][None])
         with torch.no_grad():
-            z = raw.detach().float()
+            z = raw[0].detach().float()
             if ctx.temperature != 1.0:
                 z = z / ctx.temperature
             p = (z - lse[:, None]).exp_()  # softmax
@@ -169,7 +171,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                 gz.div_(ctx.temperature)
         need = [ctx.needs_input_grad[0]] + [p.requires_grad for p in params]
         inputs = [t for t, n in zip(want, need) if n]
-        grads = iter(torch.autograd.grad(raw, inputs, gz.to(raw.dtype), allow_unused=True)
+        grads = iter(torch.autograd.grad(raw, inputs, gz.to(raw.dtype)[None], allow_unused=True)
                      if inputs else [])
         g = [next(grads) if n else None for n in need]
         g = [None if x is None else x.to(t.dtype) for x, t in zip(g, want)]
