@@ -361,8 +361,7 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     # one definition of the options, shared with `gradlab check`
-    from .cli import Parser
-    from .cli_args import _check_args
+    from .cli_args import Parser, _check_args
 
     p = Parser(prog="gradlab check", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -19,12 +19,16 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from .cli_args import (
+    Parser,
     _audit_args,
     _check_args,
     _doctor_args,
+    _eval_args,
     _table_args,
     _variance_args,
     _view_args,
+    add_check_arg,
+    load_check_reference,
 )
 
 # torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
@@ -85,17 +89,6 @@ HELP = {
 
 # run/tandem/reproduce defaults that differ from RunConfig's (threads: docs/performance.md)
 CLI_DEFAULTS = {"threads": 1}
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that refuses abbreviated options and reports a mistake in one line."""
-
-    def __init__(self, *args, **kw) -> None:
-        kw.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kw)
-
-    def error(self, message: str) -> None:  # argparse prints usage + message; one line is enough
-        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
 Command = tuple[str, Callable[[Parser], None], Callable[[argparse.Namespace], int]]
@@ -189,16 +182,9 @@ def cmd_train(a: argparse.Namespace) -> int:
 command("tandem", "train several objectives side by side from one start", _add_config_args)(cmd_train)
 
 
-# the main job's reference bands (gradlab/loop/reference.py), named without importing it
-REFERENCE = str(Path(__file__).resolve().parent / "data" / "reproduce_reference.json")
-
-
 def _reproduce_args(p: Parser) -> None:
     _add_config_args(p, {"out": "runs/reproduce"})
-    p.add_argument("--check", nargs="?", const=REFERENCE, default=None, metavar="REFERENCE",
-                   help="after the run, compare its numbers with the reference bands (the "
-                   "shipped main-job reference by default) and print inside / outside per "
-                   "number; exit 1 when any is outside (docs/guides/comparisons.md)")
+    add_check_arg(p)
 
 
 @command("reproduce", "the main job: default tandem + figures + summary", _reproduce_args)
@@ -207,7 +193,7 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     from .viz.summary import run_table
 
     cfg = _checked_config(a)
-    ref = _reference(a.check) if a.check else None  # a bad file: refused before any work
+    ref = load_check_reference(a.check) if a.check else None  # a bad file: refused before any work
     t0 = time.time()
     reproduce(cfg, resume=a.resume)  # the full summary: OUT/summary.md
     print(run_table(cfg.out))
@@ -223,63 +209,12 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     return 0 if rows["inside"].all() else 1
 
 
-def _reference(path: str) -> dict:
-    from .loop.reference import load_reference
-
-    try:
-        return load_reference(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"--check: {e}") from None
-
-
-def _eval_args(p: Parser) -> None:
-    p.add_argument("path", help="a run folder (each objective's final checkpoint), one "
-                   "checkpoint folder (RUN/checkpoints/NAME) or a Hugging Face model folder")
-    p.add_argument("--problems", default="256", help="held-out problems: a number ≥ 1, or 'all' "
-                   "(the whole held-out split of a built-in or JSONL task; default 256)")
-    p.add_argument("--samples", type=int, default=1,
-                   help="sampled responses per problem (≥ 1; default 1)")
-    p.add_argument("--seed", type=int, default=0, help="evaluation seed (≥ 0): 0 = the loop's "
-                   "own held-out set; another seed draws other problems and samples")
-    p.add_argument("--objective", default=None, help="one objective of a run folder (default: all)")
-    p.add_argument("--task", default=None, choices=("arithmetic", "scaffold"),
-                   help="the task of a model folder (default arithmetic; a run names its own)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature (> 0; default 1)")
-    p.add_argument("--out", default=None, help="also write the tidy table as CSV to this file")
-
-
 @command("eval", "score a run, a checkpoint or a model on the held-out set: greedy, sampled and "
          "the exact expected accuracy", _eval_args)
 def cmd_eval(a: argparse.Namespace) -> int:
-    from .cli_args import require
+    from .cli_args import run_eval
 
-    problems = a.problems if a.problems == "all" else (
-        int(a.problems) if a.problems.isdigit() else None)
-    require("problems", a.problems, problems == "all" or (problems or 0) >= 1,
-            "a number ≥ 1 or 'all'")
-    require("samples", a.samples, a.samples >= 1, "≥ 1")
-    require("seed", a.seed, a.seed >= 0, "≥ 0")
-    require("temperature", a.temperature, a.temperature > 0, "> 0")
-    if not Path(a.path).exists():
-        raise ConfigError(f"{a.path}: no such run, checkpoint or model folder")
-    from .loop.evaluation import evaluate_path
-
-    try:
-        df = evaluate_path(a.path, problems, a.samples, a.seed, a.objective, a.task,
-                           a.temperature)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    t = df.assign(score=(100 * df["value"]).map("{:.1f}".format) + " ± " +
-                  (100 * df["se"]).map("{:.1f}".format))
-    print(t.pivot(index="policy", columns="metric", values="score").to_markdown())
-    n = int(df["n_problems"].iloc[0])
-    print(f"held-out accuracy (%) ± its standard error over {n} problems, eval seed {a.seed}; "
-          "accuracy_expected: exact, no sampling noise")
-    if a.out:
-        df.to_csv(a.out, index=False)
-        print(f"wrote {a.out}")
-    return 0
+    return run_eval(a)
 
 
 IBPO_ROWS = ["ibpo[form=la]", "ibpo[form=togo]", "ibpo[form=ga+la,base=gspo]"]
@@ -354,7 +289,6 @@ def cmd_variance(a: argparse.Namespace) -> int:
     from .cli_args import check_variance_args
 
     names = check_variance_args(a)
-    from pathlib import Path
 
     from .loop.atomic import write_file
     from .loop.variance import measure_variance

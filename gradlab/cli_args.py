@@ -187,3 +187,83 @@ def check_variance_args(a: argparse.Namespace) -> list[str]:
         except ValueError as e:
             raise ConfigError(f"--objectives: {e}") from None
     return names
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that refuses abbreviated options and reports a mistake in one line."""
+
+    def __init__(self, *args, **kw) -> None:
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+    def error(self, message: str) -> None:  # argparse prints usage + message; one line is enough
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+# the main job's reference bands (gradlab/loop/reference.py), named without importing it
+REFERENCE = str(Path(__file__).resolve().parent / "data" / "reproduce_reference.json")
+
+
+def add_check_arg(p: argparse.ArgumentParser) -> None:
+    """reproduce's --check [REFERENCE]."""
+    p.add_argument("--check", nargs="?", const=REFERENCE, default=None, metavar="REFERENCE",
+                   help="after the run, compare its numbers with the reference bands (the "
+                   "shipped main-job reference by default) and print inside / outside per "
+                   "number; exit 1 when any is outside (docs/guides/comparisons.md)")
+
+
+def load_check_reference(path: str) -> dict:
+    """The reference of --check; a missing or corrupt file is a one-line option error."""
+    from .loop.reference import load_reference
+
+    try:
+        return load_reference(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"--check: {e}") from None
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a run folder (each objective's final checkpoint), one "
+                   "checkpoint folder (RUN/checkpoints/NAME) or a Hugging Face model folder")
+    p.add_argument("--problems", default="256", help="held-out problems: a number ≥ 1, or 'all' "
+                   "(the whole held-out split of a built-in or JSONL task; default 256)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="sampled responses per problem (≥ 1; default 1)")
+    p.add_argument("--seed", type=int, default=0, help="evaluation seed (≥ 0): 0 = the loop's "
+                   "own held-out set; another seed draws other problems and samples")
+    p.add_argument("--objective", default=None, help="one objective of a run folder (default: all)")
+    p.add_argument("--task", default=None, choices=("arithmetic", "scaffold"),
+                   help="the task of a model folder (default arithmetic; a run names its own)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (> 0; default 1)")
+    p.add_argument("--out", default=None, help="also write the tidy table as CSV to this file")
+
+
+def run_eval(a: argparse.Namespace) -> int:
+    """`gradlab eval`: check the options, score every policy at PATH, print the table."""
+    problems = a.problems if a.problems == "all" else (
+        int(a.problems) if a.problems.isdigit() else None)
+    require("problems", a.problems, problems == "all" or (problems or 0) >= 1,
+            "a number ≥ 1 or 'all'")
+    require("samples", a.samples, a.samples >= 1, "≥ 1")
+    require("seed", a.seed, a.seed >= 0, "≥ 0")
+    require("temperature", a.temperature, a.temperature > 0, "> 0")
+    if not Path(a.path).exists():
+        raise ConfigError(f"{a.path}: no such run, checkpoint or model folder")
+    from .loop.evaluation import evaluate_path
+
+    try:
+        df = evaluate_path(a.path, problems, a.samples, a.seed, a.objective, a.task,
+                           a.temperature)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = df.assign(score=(100 * df["value"]).map("{:.1f}".format) + " ± " +
+                  (100 * df["se"]).map("{:.1f}".format))
+    print(t.pivot(index="policy", columns="metric", values="score").to_markdown())
+    n = int(df["n_problems"].iloc[0])
+    print(f"held-out accuracy (%) ± its standard error over {n} problems, eval seed {a.seed}; "
+          "accuracy_expected: exact, no sampling noise")
+    if a.out:
+        df.to_csv(a.out, index=False)
+        print(f"wrote {a.out}")
+    return 0

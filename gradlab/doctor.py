@@ -266,8 +266,7 @@ def report(checks: list[Check], facts: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     # one definition of the options, shared with `gradlab doctor`
-    from .cli import Parser
-    from .cli_args import _doctor_args
+    from .cli_args import Parser, _doctor_args
 
     p = Parser(prog="gradlab doctor", description="Check that gradlab works on this machine "
                "(device, bf16 autocast, W exactness, amp bounds, a training step) and print a "
