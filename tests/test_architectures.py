@@ -209,3 +209,19 @@ def test_self_check_passes_on_the_default_policy_and_touches_no_rng():
     assert torch.equal(torch.random.get_rng_state(), state) and model.training
     assert set(gaps) == {"sampler", "training", "training-chunked"}
     assert max(gaps.values()) <= 1e-5
+
+
+def test_gap_is_measured_where_the_models_own_forward_is_finite():
+    """A path that is not finite where the model's forward is: refused (inf). A model whose own
+    forward is not finite (a diverged checkpoint) is left to the non-finite guard (exit 3 at
+    step 0, tests/test_faults.py)."""
+    import torch
+
+    from gradlab.loop.selfcheck import _gap
+
+    m = torch.tensor([[True, True, False]])
+    ref = torch.tensor([[-1.0, -2.0, float("nan")]])
+    assert _gap(torch.tensor([[-1.0, -2.00005, 5.0]]), ref, m) == pytest.approx(5e-5, rel=1e-3)
+    assert _gap(torch.tensor([[float("nan"), -2.0, 0.0]]), ref, m) == float("inf")
+    nan_ref = torch.full((1, 3), float("nan"))
+    assert _gap(nan_ref.clone(), nan_ref, m) == 0.0

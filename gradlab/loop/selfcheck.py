@@ -68,7 +68,12 @@ def reference_logps(model, ro: Rollout, temperature: float = 1.0) -> torch.Tenso
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    d = (a - b).abs()[mask]
+    """max |a − b| (nats) where the model's own forward b is finite; inf where a is not. A
+    model whose own forward is not finite (a diverged checkpoint) is not a reproduction
+    failure: the non-finite guard meets it at the first step (exit 3, or --on-nonfinite skip)."""
+    d = (a - b).abs()[mask & torch.isfinite(b)]
+    if d.numel() and not torch.isfinite(d).all():
+        return float("inf")
     return float(d.max()) if d.numel() else 0.0
 
 
