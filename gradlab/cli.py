@@ -174,6 +174,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     cfg = _checked_config(a)
     store = train(cfg, resume=a.resume)
+    if not store.write:  # a data-parallel rank other than 0: rank 0 writes and reports
+        return 0
     print(write_run_summary(store.path, cfg))
     print(f"run folder: {store.path}  (summary.md; gradlab view {store.path}; gradlab.load_run)")
     return 0
