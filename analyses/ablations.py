@@ -161,10 +161,7 @@ def publish(w2: pd.DataFrame | None, w3: dict, out: Path, task: str, G2: int) ->
     pairs += [({**key, "layout": f"G={G}", "objective": "dfpo-min"},
                {**key, "layout": f"G={G}", "objective": "gspo"}, False) for G in w3 if G != G2]
     rows = comparisons.compare(seeds, pairs)
-    dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
-    dest.mkdir(parents=True, exist_ok=True)
-    seeds.to_csv(dest / f"{exp}_seeds.csv", index=False)
-    comparisons.write(rows, exp, dest / "comparisons.csv")
+    comparisons.publish(seeds, rows, exp, out, FIGURES)
     return rows
 
 

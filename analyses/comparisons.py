@@ -87,6 +87,18 @@ def write(rows: pd.DataFrame, experiment: str, path: Path) -> pd.DataFrame:
     return new
 
 
+def publish(seeds: pd.DataFrame, rows: pd.DataFrame, experiment: str, out: Path,
+            figures: Path) -> Path:
+    """Write `<experiment>_seeds.csv` and the experiment's rows of comparisons.csv into
+    `figures` when `out` lies under it (a sub-folder's experiment still feeds the one table),
+    else into `out`; returns that folder."""
+    dest = figures if out.resolve().is_relative_to(figures.resolve()) else out
+    dest.mkdir(parents=True, exist_ok=True)
+    seeds.to_csv(dest / f"{experiment}_seeds.csv", index=False)
+    write(rows, experiment, dest / "comparisons.csv")
+    return dest
+
+
 def fmt(row: pd.Series) -> str:
     """'+4.1 [+2.2, +5.9], p 0.002 (Holm 0.03)' for a comparisons row."""
     holm_p = "" if pd.isna(row["p_holm"]) else f" (Holm {row['p_holm']:.2g})"

@@ -136,10 +136,7 @@ def publish(wide: pd.DataFrame, out: Path, task: str) -> pd.DataFrame:
     pairs = [({**key, "objective": a}, {**key, "objective": "gspo"}, (a, "gspo") in PRIMARY)
              for a in OBJECTIVES if a != "gspo"]
     rows = comparisons.compare(seeds, pairs)
-    dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
-    dest.mkdir(parents=True, exist_ok=True)
-    seeds.to_csv(dest / f"{exp}_seeds.csv", index=False)
-    comparisons.write(rows, exp, dest / "comparisons.csv")
+    comparisons.publish(seeds, rows, exp, out, FIGURES)
     return rows
 
 

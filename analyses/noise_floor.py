@@ -128,10 +128,7 @@ def publish(long: pd.DataFrame, out: Path, task: str = "arithmetic") -> pd.DataF
     seeds = seeds[comparisons.SEED_KEYS + [*METRICS, "parted_at"]]
     rows = comparisons.compare(seeds, [({**key, "objective": a}, {**key, "objective": b}, False)
                                        for a, b in PAIRS])
-    dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
-    dest.mkdir(parents=True, exist_ok=True)
-    seeds.to_csv(dest / f"{EXPERIMENT}_seeds.csv", index=False)
-    comparisons.write(rows, EXPERIMENT, dest / "comparisons.csv")
+    comparisons.publish(seeds, rows, EXPERIMENT, out, FIGURES)
     return rows
 
 
