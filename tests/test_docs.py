@@ -7,6 +7,7 @@ GRADLAB_DOCS_SITE at it; without that variable the site is built here into a tem
 """
 
 import argparse
+import contextlib
 import functools
 import http.server
 import importlib.metadata
@@ -72,7 +73,10 @@ def test_cli_reference_covers_every_subcommand_and_option(site):
     assert "--version" in page and "--findings" in page  # top level; gradlab audit verl
 
 
-def test_index_and_api_pages_render_in_headless_chromium(site):
+@contextlib.contextmanager
+def _browse(site: Path):
+    """Serve the built site on localhost and yield (base URL, open(path) → page, errors):
+    each page collects its console errors and uncaught exceptions; everything is closed after."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
         pytest.skip("no chromium binary (.ci/run installs it: apt-get install -y chromium)")
@@ -83,24 +87,35 @@ def test_index_and_api_pages_render_in_headless_chromium(site):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
-    seen = {}
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+
+            def open_page(route=None):
+                pg, errors = browser.new_page(), []
+                if route is not None:
+                    pg.route("**/*", route)
+                pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                pg.on("pageerror", lambda x: errors.append(str(x)))
+                return pg, errors
+
             try:
-                for path in ("/", "/reference/api/core/"):
-                    pg = browser.new_page()
-                    errors = []
-                    pg.on("console", lambda m, e=errors: e.append(m.text) if m.type == "error" else None)
-                    pg.on("pageerror", lambda x, e=errors: e.append(str(x)))
-                    pg.goto(base + path, wait_until="networkidle")
-                    seen[path] = (pg.title(), pg.inner_text("article"), errors,
-                                  pg.eval_on_selector_all("article img", "els => els.map(i => i.naturalWidth)"))
-                    pg.close()
+                yield base, open_page
             finally:
                 browser.close()
     finally:
         server.shutdown()
+
+
+def test_index_and_api_pages_render_in_headless_chromium(site):
+    seen = {}
+    with _browse(site) as (base, open_page):
+        for path in ("/", "/reference/api/core/"):
+            pg, errors = open_page()
+            pg.goto(base + path, wait_until="networkidle")
+            seen[path] = (pg.title(), pg.inner_text("article"), errors,
+                          pg.eval_on_selector_all("article img", "els => els.map(i => i.naturalWidth)"))
+            pg.close()
     title, text, errors, images = seen["/"]
     assert not errors, errors
     assert title.startswith("gradlab") and "effective token modulation" in text
@@ -113,46 +128,24 @@ def test_index_and_api_pages_render_in_headless_chromium(site):
 def test_concept_pages_typeset_their_formulas_offline(site):
     """The formulas are typeset by KaTeX served from the site: with every request outside the
     local server refused, a concept page shows rendered math, no raw TeX and no console error."""
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("no chromium binary (.ci/run installs it: apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *a: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
     outside, seen = [], {}
+    with _browse(site) as (base, open_page):
+        def only_local(route):  # the network is off: only the site's own server answers
+            if route.request.url.startswith(base):
+                route.continue_()
+            else:
+                outside.append(route.request.url)
+                route.abort()
 
-    def only_local(route):  # the network is off: only the site's own server answers
-        if route.request.url.startswith(base):
-            route.continue_()
-        else:
-            outside.append(route.request.url)
-            route.abort()
-
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
-            try:
-                for path in ("/concepts/shared-nodes/", "/concepts/ibpo/"):
-                    pg = browser.new_page()
-                    pg.route("**/*", only_local)
-                    errors = []
-                    pg.on("console", lambda m, e=errors: e.append(m.text) if m.type == "error" else None)
-                    pg.on("pageerror", lambda x, e=errors: e.append(str(x)))
-                    pg.goto(base + path, wait_until="networkidle")
-                    pg.wait_for_selector("article .katex", timeout=10_000)
-                    seen[path] = (errors, pg.eval_on_selector_all("article .katex-display", "e => e.length"),
-                                  pg.eval_on_selector_all("article .katex", "e => e.length"),
-                                  pg.eval_on_selector_all("article .katex-error", "e => e.length"),
-                                  pg.inner_text("article"))
-                    pg.close()
-            finally:
-                browser.close()
-    finally:
-        server.shutdown()
+        for path in ("/concepts/shared-nodes/", "/concepts/ibpo/"):
+            pg, errors = open_page(only_local)
+            pg.goto(base + path, wait_until="networkidle")
+            pg.wait_for_selector("article .katex", timeout=10_000)
+            seen[path] = (errors, pg.eval_on_selector_all("article .katex-display", "e => e.length"),
+                          pg.eval_on_selector_all("article .katex", "e => e.length"),
+                          pg.eval_on_selector_all("article .katex-error", "e => e.length"),
+                          pg.inner_text("article"))
+            pg.close()
     assert not outside, outside
     for path, (errors, display, inline, bad, text) in seen.items():
         assert not errors, (path, errors)

@@ -111,9 +111,9 @@ def evaluate_heldout(model, tok, task, problems: list, temperature: float, max_n
     if not problems:
         return {}
     out = {}
+    dev = next(model.parameters()).device
     keys = (seed * 1_000_003 + _EVAL_NOISE) * 1_000_003 + torch.arange(len(problems))
     for name, temp in (("eval_accuracy", temperature), ("eval_accuracy_greedy", 0.0)):
-        dev = next(model.parameters()).device
         ro = generate(model, tok, problems, 1, max_new_tokens, temp, amp=amp, task=task,
                       row_keys=keys.to(dev))
         out[name] = sum(task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)) / len(problems)
