@@ -29,14 +29,14 @@ import torch
 import gradlab
 from gradlab import objectives
 from gradlab.loop.config import RunConfig
-from gradlab.loop.dist import Dist
-from gradlab.loop.logprobs import token_logps
-from gradlab.loop.metrics import StepMetrics
-from gradlab.loop.policy import build_tokenizer, load_policy, n_params, new_model
-from gradlab.loop.rollout import Rollout
-from gradlab.loop.step import optimizer_step
-from gradlab.loop.traces import TraceWriter
+from gradlab.loop.numerics.logprobs import token_logps
+from gradlab.loop.rollouts.rollout import Rollout
+from gradlab.loop.runs.traces import TraceWriter
+from gradlab.loop.scale.dist import Dist
+from gradlab.loop.setup.policy import build_tokenizer, load_policy, n_params, new_model
 from gradlab.loop.train import Learner
+from gradlab.loop.update.metrics import StepMetrics
+from gradlab.loop.update.step import optimizer_step
 
 
 def make_rollout(vocab: int, groups: int, G: int, T: int, seed: int = 0) -> Rollout:

@@ -51,7 +51,7 @@ def fake_rollout(n: int, tokens: int, G: int, prompt_len: int = 16, vocab: int =
     """A Rollout of n rows (n/G groups) without sampling: random prompts and responses, the
     first `shared` response tokens equal within each group (full-group nodes for the probes),
     lengths in [tokens/2, tokens], old log-probs ≈ a uniform policy's, rewards 0/1."""
-    from gradlab.loop.rollout import Rollout
+    from gradlab.loop.rollouts.rollout import Rollout
 
     g = torch.Generator().manual_seed(seed)
     groups = n // G
@@ -78,10 +78,10 @@ def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, lay
     from gradlab.core import objectives
     from gradlab.core.batch import advantages
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.dist import Dist
-    from gradlab.loop.metrics import StepMetrics
-    from gradlab.loop.step import optimizer_step
+    from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
+    from gradlab.loop.update.metrics import StepMetrics
+    from gradlab.loop.update.step import optimizer_step
 
     model = tiny_qwen3(hidden=hidden, layers=layers)
     ro = fake_rollout(n, tokens, G)
@@ -136,7 +136,7 @@ def real_vocab_model(hidden: int, layers: int):
 
     from real_vocab_run import build_folder  # analyses/, on sys.path when run as a script
 
-    from gradlab.loop.policy import load_policy
+    from gradlab.loop.setup.policy import load_policy
 
     with tempfile.TemporaryDirectory() as tmp:
         build_folder(Path(tmp), hidden, layers)
@@ -145,11 +145,11 @@ def real_vocab_model(hidden: int, layers: int):
 
 def sampling_table(a: argparse.Namespace) -> dict:
     """Median wall time per generated position (ms; one position = one token for each of the
-    N = prompts × G rows) of gradlab.loop.rollout.generate (keyed O(1) noise, as the loop
+    N = prompts × G rows) of gradlab.loop.rollouts.rollout.generate (keyed O(1) noise, as the loop
     samples) and of model.generate(do_sample=True, top_k=0, top_p=1, temperature=1: the same
     distribution), interleaved, KV cache in both; both run the full --tokens (EOS masked out)."""
-    from gradlab.loop.rollout import generate
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.rollouts.rollout import generate
+    from gradlab.loop.setup.task import ArithmeticTask
 
     model, tok = real_vocab_model(a.hidden, a.layers)
     problems = ArithmeticTask().problems(a.prompts, seed=0)

@@ -40,7 +40,7 @@ import gradlab.loop.train as gl_train
 from gradlab.integrations.trl import GradlabConfig
 from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.loop.config import RunConfig
-from gradlab.loop.store import load_run
+from gradlab.loop.runs.store import load_run
 
 RUNNERS = ("gradlab", "gradlab+probes", "trl", "trl+gradlab")
 

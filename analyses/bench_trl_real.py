@@ -57,7 +57,7 @@ def run_gradlab(a: argparse.Namespace, folder: str, probes: bool, tmp: str,
     appends the RSS (MiB) at the first one (setup done) to `rss`."""
     import gradlab.loop.train as gl_train
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.store import RunStore
+    from gradlab.loop.runs.store import RunStore
 
     cfg = RunConfig(out=os.path.join(tmp, "gl"), model=folder, objectives=["grpo"],
                     steps=a.rollouts, prompts=a.prompts, G=a.G, minibatches=a.minibatches,
@@ -89,7 +89,7 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
 
     from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
     from gradlab.integrations.trl_audit import WORKLOADS, dataset_and_reward, grpo_args
-    from gradlab.loop.policy import load_policy
+    from gradlab.loop.setup.policy import load_policy
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:  # `python analyses/x.py` puts analyses/ first, no
     sys.path.insert(0, str(ROOT))
 
 from gradlab.loop.config import RunConfig  # noqa: E402
-from gradlab.loop.store import load_run  # noqa: E402
+from gradlab.loop.runs.store import load_run  # noqa: E402
 from gradlab.viz.seeds import align_tokens  # noqa: E402, F401  (figure3 imports it from here)
 
 # Quick mode: the tiniest loop that still has groups, minibatches and every probe (seconds).
@@ -149,8 +149,8 @@ def load_run_policy(run: str | Path, objective: str | None = None):
     """(model, tokenizer) of a run: the initial policy, or an objective's final checkpoint."""
     from safetensors.torch import load_file
 
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.task import get_task
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import get_task
 
     cfg = RunConfig.from_json(Path(run) / "config.json")
     arith = cfg.task == "arithmetic"
@@ -165,7 +165,7 @@ def load_run_policy(run: str | Path, objective: str | None = None):
 
 def final_accuracy(run: str | Path, objective: str, n: int = 256, seed: int = 777_000) -> float:
     """Held-out accuracy (temperature 1, n fresh problems) of an objective's final policy."""
-    from gradlab.loop.policy import evaluate
+    from gradlab.loop.setup.policy import evaluate
 
     model, tok, task, _ = load_run_policy(run, objective)
     return evaluate(model, tok, task, n=n, seed=seed)["accuracy"]

@@ -46,7 +46,7 @@ from gradlab import objectives
 from gradlab.core.batch import advantages
 from gradlab.core.cancellation import attribution, cancellation
 from gradlab.core.nodes import shared_nodes
-from gradlab.loop.rollout import generate
+from gradlab.loop.rollouts.rollout import generate
 from gradlab.testing import measure_on_model, optimizer_step_on
 from gradlab.viz.strips import CAPTION, group_sums, token_strips
 
@@ -177,8 +177,8 @@ def draw(df: pd.DataFrame) -> plt.Figure:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import ArithmeticTask
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="low-resolution image, for tests")

@@ -37,7 +37,7 @@ def build(out: str | Path, small: bool = False, seed: int = 0) -> Path:
     """Save a random-init Qwen3ForCausalLM (fp32) + the default policy's tokenizer to `out`."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from gradlab.loop.policy import DEFAULT_POLICY_DIR
+    from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(DEFAULT_POLICY_DIR)
@@ -53,7 +53,7 @@ def build(out: str | Path, small: bool = False, seed: int = 0) -> Path:
 def run(model_dir: str, out: str, extra: list[str]) -> dict:
     """One `gradlab tandem` in this process; prints and returns the summary figures."""
     from gradlab.cli import build_parser, config_from_args
-    from gradlab.loop.store import load_run
+    from gradlab.loop.runs.store import load_run
     from gradlab.loop.train import train
 
     a = build_parser().parse_args(["tandem", "--model", model_dir, "--out", out, *extra])

@@ -3,13 +3,13 @@ behind `gradlab reproduce --check`.
 
 Trains the main job's configuration (RunConfig defaults, one torch thread) at seeds 0..n-1
 (runs/main_job/seed{k}; a folder is reused only when the current code made it), summarises each
-with `gradlab.loop.reproduce.summarize`, and writes
+with `gradlab.loop.recipes.reproduce.summarize`, and writes
   figures/main_job.md    seed 0 (what `gradlab reproduce` prints on this machine) and the
                          seed spread (mean, sd) of every number, with the machine
   figures/main_job.csv   the per-seed summaries (tidy: seed, objective, metric, value)
   figures/main_job.json  provenance: the command, code hash, machine, and every run used
   gradlab/data/reproduce_reference.json   the bands of `gradlab reproduce --check`
-                         (gradlab.loop.reference: 99.9 % prediction intervals of the spread)
+                         (gradlab.loop.recipes.reference: 99.9 % prediction intervals of the spread)
 
     python analyses/main_job.py              # 5 seeds (~6 min of one core here)
     python analyses/main_job.py --quick      # seconds: 3 seeds of a 3-step job, for tests
@@ -29,9 +29,9 @@ if __package__ in (None, ""):
 import pandas as pd
 
 from analyses.common import FIGURES, QUICK, ROOT, provenance, run_seeds, set_threads, stamp
-from gradlab.loop.reference import REFERENCE, make_reference
-from gradlab.loop.reproduce import summarize
-from gradlab.loop.store import load_run
+from gradlab.loop.recipes.reference import REFERENCE, make_reference
+from gradlab.loop.recipes.reproduce import summarize
+from gradlab.loop.runs.store import load_run
 from gradlab.provenance import machine
 
 SHOWN = ["acc_first", "acc_last5", "eval_accuracy_expected_final", "rho_prefix", "rho_trie",

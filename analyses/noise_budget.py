@@ -9,7 +9,7 @@ Runs: per task, `--seeds` tandems at the size of the objectives × layouts exper
 (analyses/tree_tandem.py, independent layout; probes off): DFPO Min-Replace and Orth-Proj —
 gradient-identical twins at prefix nodes — and GSPO, from the same start.
 
-Evaluation schemes (gradlab.loop.evaluation; each a function of the weights, N, K, eval seed):
+Evaluation schemes (gradlab.loop.recipes.evaluation; each a function of the weights, N, K, eval seed):
   sampled N×K   N held-out problems, K samples each at temperature 1, share correct
   expected N    the exact probability that one sample is correct, mean over N problems
   expected all  the same over the whole held-out split (no draw at all: zero evaluation noise)
@@ -50,7 +50,7 @@ from analyses.common import (
     set_threads,
     stamp,
 )
-from gradlab.loop.evaluation import expected_accuracy, heldout_draw, sampled_accuracy
+from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_draw, sampled_accuracy
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo"]
 STEPS = {"arithmetic": 30, "scaffold": 20}  # the independent layout of tree_tandem.py

@@ -31,11 +31,11 @@ def main() -> None:
     import gradlab
     from gradlab import objectives
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.dist import Dist
-    from gradlab.loop.logprobs import token_logps
-    from gradlab.loop.metrics import StepMetrics
-    from gradlab.loop.step import optimizer_step
+    from gradlab.loop.numerics.logprobs import token_logps
+    from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
+    from gradlab.loop.update.metrics import StepMetrics
+    from gradlab.loop.update.step import optimizer_step
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=64)

@@ -1,6 +1,6 @@
 """Prop. 3.1 on real steps: measured KL(π_θ(·|h*) ‖ π_θ+(·|h*)) at the full-group shared
 contexts h* of real optimizer steps against ½ δᵀF(h*)δ for the step δ actually taken, and the
-part of it due to the residual (docs/concepts/drift.md; `gradlab.loop.prop31`, `gradlab.probes.fisher`).
+part of it due to the residual (docs/concepts/drift.md; `gradlab.loop.recipes.prop31`, `gradlab.probes.fisher`).
 
 Runs short tandems from the shipped start (one per learning rate) and writes
 
@@ -32,7 +32,7 @@ import pandas as pd
 from analyses.common import FIGURES, provenance, set_threads
 from gradlab import viz as plots
 from gradlab.loop.config import RunConfig
-from gradlab.loop.prop31 import prop31_tandem
+from gradlab.loop.recipes.prop31 import prop31_tandem
 from gradlab.stats import loglog_fit
 
 BASE = dict(prompts=8, G=8, minibatches=4, probes=False, progress=False)

@@ -39,12 +39,12 @@ TOKENIZER_IDS = 151_669  # Qwen3's tokenizer length
 
 
 def real_vocab_tokenizer(n_ids: int = TOKENIZER_IDS):
-    """The toy character tokenizer (gradlab.loop.policy.build_tokenizer: <pad>, <eos>, <unk>,
+    """The toy character tokenizer (gradlab.loop.setup.policy.build_tokenizer: <pad>, <eos>, <unk>,
     one id per character) padded with synthetic word tokens to `n_ids` ids; left padding."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from gradlab.loop.policy import CHARS, SPECIAL_TOKENS
+    from gradlab.loop.setup.policy import CHARS, SPECIAL_TOKENS
 
     vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + sorted(set(CHARS)))}
     for i in range(n_ids - len(vocab)):

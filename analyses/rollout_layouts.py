@@ -7,7 +7,7 @@ Min-Replace vs Orth-Proj parameter-gradient difference on real tree steps.
 
 Rollouts are the loop's own (`gradlab.loop.train.sample`: same prompts, keys and layouts as
 `gradlab tandem --rollout ...` at step k), from the untrained shipped policy; every figure is a
-ratio of sums over all groups (`gradlab.loop.layouts.layout_sums`).
+ratio of sums over all groups (`gradlab.loop.rollouts.layouts.layout_sums`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch  # noqa: E402
 from gradlab import objectives  # noqa: E402
 from gradlab.core.batch import advantages  # noqa: E402
 from gradlab.loop.config import RunConfig  # noqa: E402
-from gradlab.loop.dist import Dist  # noqa: E402
-from gradlab.loop.heldout import TrainSplit  # noqa: E402
-from gradlab.loop.layouts import layout_sums  # noqa: E402
-from gradlab.loop.policy import load_policy  # noqa: E402
-from gradlab.loop.realmodel import prepare_run  # noqa: E402
-from gradlab.loop.task import get_task  # noqa: E402
+from gradlab.loop.rollouts.layouts import layout_sums  # noqa: E402
+from gradlab.loop.scale.dist import Dist  # noqa: E402
+from gradlab.loop.setup.heldout import TrainSplit  # noqa: E402
+from gradlab.loop.setup.policy import load_policy  # noqa: E402
+from gradlab.loop.setup.realmodel import prepare_run  # noqa: E402
+from gradlab.loop.setup.task import get_task  # noqa: E402
 from gradlab.loop.train import Learner, sample  # noqa: E402
 
 LAYOUTS = {  # label -> RunConfig options

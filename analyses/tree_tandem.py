@@ -25,7 +25,7 @@ Everything else (layout − independent for one objective, ibpo[form=repair] −
 exploratory: interval and p, no Holm.
 
 Held-out accuracy (`heldout_acc`) is the exact expected accuracy of the final policy over the
-whole held-out split (gradlab.loop.evaluation: no evaluation noise, figures/noise_budget.md);
+whole held-out split (gradlab.loop.recipes.evaluation: no evaluation noise, figures/noise_budget.md);
 the loop's sampled score (`eval_accuracy`, one sample for each of 128 problems) is kept as
 `heldout_sampled`. Intervals: paired Student-t over seeds, p exact sign-flip
 (gradlab.stats.paired_interval). Writes figures/tree_tandem.csv (tidy, generated-token rule:
@@ -69,7 +69,7 @@ from analyses.common import (
     stamp,
     write_meta,
 )
-from gradlab.loop.evaluation import expected_accuracy, heldout_split
+from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_split
 
 EXPERIMENT = "tree_tandem"
 OBJECTIVES = ["grpo", "gspo", "dfpo-min", "ibpo", "ibpo[la_weight=0.5]", "ibpo[la_weight=2]"]
@@ -206,7 +206,7 @@ def figure(wide: pd.DataFrame, path: Path) -> None:
 def train_and_measure(a, task: str, seeds, objs: list, runs: Path, ledger: list) -> pd.DataFrame:
     """Train (or reuse) every run group of a task, then one row per (layout, matched, seed,
     objective)."""
-    from gradlab.loop.task import get_task
+    from gradlab.loop.setup.task import get_task
 
     groups = plan(task, a.steps or (2 if a.quick else STEPS[task]))
     jobs = []

@@ -1,5 +1,5 @@
 """The variance claim, measured: gradient noise of GRPO, GSPO, DFPO and every IBPO form at the
-shipped warm starts of arithmetic and scaffold (`gradlab.loop.variance.measure_variance`).
+shipped warm starts of arithmetic and scaffold (`gradlab.loop.recipes.variance.measure_variance`).
 
 At a fixed policy and a fixed set of 8 prompts, K rollout batches (8 prompts × G = 8 independent
 responses) give each objective's policy gradient on the same samples; R further batches give
@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 import pandas as pd
 
 from analyses.common import FIGURES, provenance, set_threads, stamp
-from gradlab.loop.variance import DEFAULT_OBJECTIVES, measure_variance
+from gradlab.loop.recipes.variance import DEFAULT_OBJECTIVES, measure_variance
 from gradlab.viz.curves import save
 from gradlab.viz.variance import summary_table, variance_figure
 

@@ -17,7 +17,7 @@ if __package__ in (None, ""):
 
 from analyses.common import FIGURES, ROOT, set_threads
 from gradlab.loop.config import RunConfig
-from gradlab.loop.traces import load_traces
+from gradlab.loop.runs.traces import load_traces
 from gradlab.viz.html import view
 
 DEMO = dict(steps=8, prompts=4, G=4, minibatches=2, probe_contexts=4, tax_every=4, trace_every=2,

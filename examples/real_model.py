@@ -116,7 +116,7 @@ def summary(run: Path) -> dict:
 def figure(run: Path, path: Path, objectives: list[str]) -> Path:
     """W on one group of the real model, token by token (`gradlab.viz.strips`): the traced
     step with the most full-group shared tokens, the group `strip_table` picks there."""
-    from gradlab.loop.traces import load_traces
+    from gradlab.loop.runs.traces import load_traces
     from gradlab.viz.curves import save
     from gradlab.viz.strips import strip_table, token_strips
 

@@ -20,7 +20,7 @@ from trl import GRPOConfig
 
 import gradlab
 from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
-from gradlab.loop.policy import load_policy
+from gradlab.loop.setup.policy import load_policy
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed-option notices
 

@@ -14,8 +14,8 @@ if TYPE_CHECKING:  # editors and type checkers see the names; at run time they l
     from .core.cancellation import Cancellation, attribution, cancellation
     from .core.credit import edited_tokens, process_advantages, repair_advantages
     from .core.nodes import SharedNodes, shared_nodes
-    from .loop.store import load_run
-    from .loop.traces import load_traces
+    from .loop.runs.store import load_run
+    from .loop.runs.traces import load_traces
 
 # Names load on first use (PEP 562), so `gradlab --help` and argument errors never import torch.
 _LAZY = {
@@ -24,8 +24,8 @@ _LAZY = {
     "attribution": "gradlab.core.cancellation", "cancellation": "gradlab.core.cancellation",
     "edited_tokens": "gradlab.core.credit", "process_advantages": "gradlab.core.credit",
     "repair_advantages": "gradlab.core.credit", "SharedNodes": "gradlab.core.nodes",
-    "shared_nodes": "gradlab.core.nodes", "load_run": "gradlab.loop.store",
-    "load_traces": "gradlab.loop.traces",
+    "shared_nodes": "gradlab.core.nodes", "load_run": "gradlab.loop.runs.store",
+    "load_traces": "gradlab.loop.runs.traces",
 }
 
 __version__ = "0.1.0"

@@ -199,9 +199,9 @@ class ModelSteps:
 def model_steps() -> ModelSteps:
     from .core import objectives
     from .core.batch import advantages
-    from .loop.policy import load_policy
-    from .loop.rollout import generate
-    from .loop.task import ArithmeticTask
+    from .loop.rollouts.rollout import generate
+    from .loop.setup.policy import load_policy
+    from .loop.setup.task import ArithmeticTask
     from .testing import optimizer_step_on
 
     model, tok = load_policy()

@@ -5,7 +5,7 @@ Every sub-command checks its arguments before any work: a mistake is one line na
 option and its valid values, exit code 2. Options are never abbreviated (`--step` is refused,
 not read as `--steps`). Exit codes: 0 ok, 1 a check failed (check, doctor), 2 bad arguments,
 3 non-finite, 4 write failure, 130 / 143 stopped by a signal after checkpointing (the table:
-gradlab/loop/exitcodes.py).
+gradlab/loop/faults/exitcodes.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .cli_args import (
 # torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
 from .core.variants import split_top
 from .loop.config import ConfigError, RunConfig
-from .loop.resume import given_options, with_stored_config
+from .loop.runs.resume import given_options, with_stored_config
 
 HELP = {
     "out": "run folder", "objectives": "comma-separated objective names, each optionally with parameters: "
@@ -160,7 +160,7 @@ def _checked_config(a: argparse.Namespace) -> RunConfig:
     from .cli_args import check_device, check_model
 
     cfg = config_from_args(a, [a.objective] if getattr(a, "objective", None) else None)
-    if a.resume:  # options not typed are the stored ones (loop/resume.py)
+    if a.resume:  # options not typed are the stored ones (loop/runs/resume.py)
         cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
     check_device(cfg.device)
     check_model(cfg.model, cfg.trust_remote_code)
@@ -191,7 +191,7 @@ def _reproduce_args(p: Parser) -> None:
 
 @command("reproduce", "the main job: default tandem + figures + summary", _reproduce_args)
 def cmd_reproduce(a: argparse.Namespace) -> int:
-    from .loop.reproduce import reproduce
+    from .loop.recipes.reproduce import reproduce
     from .viz.summary import run_table
 
     cfg = _checked_config(a)
@@ -202,9 +202,9 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     print(f"done in {time.time() - t0:.0f} s; run folder: {cfg.out} (summary.md, figures/)")
     if ref is None:
         return 0
-    from .loop.reference import check, report
-    from .loop.reproduce import summarize
-    from .loop.store import load_run
+    from .loop.recipes.reference import check, report
+    from .loop.recipes.reproduce import summarize
+    from .loop.runs.store import load_run
 
     rows = check(summarize(load_run(cfg.out)), ref)
     print(report(rows, ref))
@@ -292,8 +292,8 @@ def cmd_variance(a: argparse.Namespace) -> int:
 
     names = check_variance_args(a)
 
-    from .loop.atomic import write_file
-    from .loop.variance import measure_variance
+    from .loop.faults.atomic import write_file
+    from .loop.recipes.variance import measure_variance
     from .viz.curves import save
     from .viz.summary import variance_table
     from .viz.variance import variance_figure
@@ -393,10 +393,10 @@ def _long_help(cmd: str, argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace, program: bool) -> int:
     """args.fn(args), with the loop's failures as one line and their exit codes."""
-    from .loop.atomic import EXIT_WRITE, WriteError
-    from .loop.guard import EXIT_NONFINITE, NonFiniteError
-    from .loop.preempt import Preempted, StopSignals
-    from .loop.store import CorruptFileError
+    from .loop.faults.atomic import EXIT_WRITE, WriteError
+    from .loop.faults.guard import EXIT_NONFINITE, NonFiniteError
+    from .loop.faults.preempt import Preempted, StopSignals
+    from .loop.runs.store import CorruptFileError
 
     # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
     StopSignals.ignore_after_stop = program

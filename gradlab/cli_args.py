@@ -31,7 +31,7 @@ def _view_args(p: argparse.ArgumentParser) -> None:
                         "reloads itself) until every step is checkpointed, or Ctrl-C")
 
 
-ROLLOUTS = ("independent", "tree", "repair")  # gradlab.loop.variance.ROLLOUTS (torch-free copy)
+ROLLOUTS = ("independent", "tree", "repair")  # gradlab.loop.recipes.variance.ROLLOUTS (torch-free copy)
 VARIANCE_OBJECTIVES = "grpo,gspo,dfpo-min,dfpo-orth,ibpo[form=ga],ibpo[form=la],ibpo[form=ga+la],ibpo[form=togo],ibpo[base=gspo]"
 
 
@@ -135,7 +135,7 @@ def check_model(path: str | None, trust_remote_code: bool = False, option: str =
 
 def check_run_folder(run: str, need_metrics: bool = True) -> None:
     """A run folder with a readable config.json and (unless watching) some metrics."""
-    from .loop.resume import read_config
+    from .loop.runs.resume import read_config
 
     path = Path(run)
     if not path.is_dir():
@@ -200,7 +200,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
-# the main job's reference bands (gradlab/loop/reference.py), named without importing it
+# the main job's reference bands (gradlab/loop/recipes/reference.py), named without importing it
 REFERENCE = str(Path(__file__).resolve().parent / "data" / "reproduce_reference.json")
 
 
@@ -214,7 +214,7 @@ def add_check_arg(p: argparse.ArgumentParser) -> None:
 
 def load_check_reference(path: str) -> dict:
     """The reference of --check; a missing or corrupt file is a one-line option error."""
-    from .loop.reference import load_reference
+    from .loop.recipes.reference import load_reference
 
     try:
         return load_reference(path)
@@ -250,7 +250,7 @@ def run_eval(a: argparse.Namespace) -> int:
     require("temperature", a.temperature, a.temperature > 0, "> 0")
     if not Path(a.path).exists():
         raise ConfigError(f"{a.path}: no such run, checkpoint or model folder")
-    from .loop.evaluation import evaluate_path
+    from .loop.recipes.evaluation import evaluate_path
 
     try:
         df = evaluate_path(a.path, problems, a.samples, a.seed, a.objective, a.task,

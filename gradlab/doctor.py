@@ -31,8 +31,8 @@ import torch
 
 from .core import objectives
 from .core.batch import TokenBatch, advantages
-from .loop.logprobs import token_logps
-from .loop.precision import (
+from .loop.numerics.logprobs import token_logps
+from .loop.numerics.precision import (
     AMP_GRAD_COS,
     AMP_LOGP_ATOL,
     AMP_LOGP_MEAN,
@@ -82,7 +82,7 @@ class Case:
     moved after sampling, so ratios differ from 1 and clipping is exercised."""
 
     model: torch.nn.Module
-    ro: object  # gradlab.loop.rollout.Rollout, on the model's device
+    ro: object  # gradlab.loop.rollouts.rollout.Rollout, on the model's device
     adv: torch.Tensor  # (N,) group-relative advantages
 
 
@@ -91,9 +91,9 @@ def tiny_case(device: str = "cpu", prompts: int = 4, G: int = 4, seed: int = 0,
     """The shipped tiny policy on `device`, `prompts` × G responses sampled on the CPU with
     hashed noise (the same tokens on every device), then every weight moved by `shift` × a
     seeded normal draw (the same on every device)."""
-    from .loop.policy import load_policy
-    from .loop.rollout import generate
-    from .loop.task import ArithmeticTask
+    from .loop.rollouts.rollout import generate
+    from .loop.setup.policy import load_policy
+    from .loop.setup.task import ArithmeticTask
 
     task = ArithmeticTask()
     model, tok = load_policy(None, task=task)

@@ -90,7 +90,7 @@ def current() -> dict:
 
 def record(run: str | Path, start_step: int) -> dict:
     """Append this process's segment (training from `start_step`) to run/provenance.json."""
-    from .loop.atomic import write_file
+    from .loop.faults.atomic import write_file
 
     seg = {"start_step": int(start_step), **current()}
     old = read(run) or {"segments": []}

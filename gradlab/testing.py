@@ -170,12 +170,12 @@ def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
                      temperature: float = 1.0) -> tuple[Tensor, TokenBatch]:
     """W measured by a `ModulationProbe` hook on a real forward/backward of `model`.
 
-    rollout: a `gradlab.loop.rollout.Rollout` (its old_logps are the behaviour log-probs);
+    rollout: a `gradlab.loop.rollouts.rollout.Rollout` (its old_logps are the behaviour log-probs);
     rows (R,) long: the rows of the step; adv (N,) advantages of all rollout rows.
     Runs token_logps → loss_fn(batch) → backward, so parameter .grad is touched (zeroed after).
     Returns (W (R, T) float32, the TokenBatch with detached logps).
     """
-    from .loop.logprobs import token_logps
+    from .loop.numerics.logprobs import token_logps
     from .probes import ModulationProbe
 
     ro = rollout
@@ -194,7 +194,7 @@ def optimizer_step_on(model, rollout, rows: Tensor, adv: Tensor,
                       temperature: float = 1.0) -> None:
     """One AdamW step (lr, as the loop's default) of `model` on `rows`: makes later minibatches
     of the same rollout off-policy, exactly as the training loop's 2nd+ minibatches are."""
-    from .loop.logprobs import token_logps
+    from .loop.numerics.logprobs import token_logps
 
     ro = rollout
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -1,7 +1,7 @@
-"""Mixed precision (`--amp`, gradlab/loop/precision.py) on the CPU: bf16 autocast over float32
+"""Mixed precision (`--amp`, gradlab/loop/numerics/precision.py) on the CPU: bf16 autocast over float32
 master weights.
 
-Tolerances (the constants in gradlab/loop/precision.py, stated in docs/performance.md):
+Tolerances (the constants in gradlab/loop/numerics/precision.py, stated in docs/performance.md):
 - the hook-measured W equals the closed form at the autocast log-probs to W_EXACT_RTOL (1e-6
   of max|W|): the loss is float32 arithmetic whatever precision the forward ran in;
 - against float32 on the same tokens and weights, bf16 moves log-probs by ≤ AMP_LOGP_ATOL
@@ -24,8 +24,14 @@ from test_fsdp import ENV, TORCHRUN
 import gradlab
 from gradlab import objectives
 from gradlab.doctor import OBJECTIVES, read_step, tiny_case
-from gradlab.loop.logprobs import token_logps
-from gradlab.loop.precision import AMP_LOGP_ATOL, W_EXACT_RTOL, amp_failures, amp_gap, autocast
+from gradlab.loop.numerics.logprobs import token_logps
+from gradlab.loop.numerics.precision import (
+    AMP_LOGP_ATOL,
+    W_EXACT_RTOL,
+    amp_failures,
+    amp_gap,
+    autocast,
+)
 
 ALL = [(n, {}) for n in objectives.names()] + [("grpo", {"norm": "seq"}),
                                                ("gspo", {"eps": (0.2, 0.2)})]
@@ -129,8 +135,8 @@ WORKER = r"""
 import sys, torch
 from gradlab import objectives
 from gradlab.doctor import OBJECTIVES, read_step, tiny_case
-from gradlab.loop.dist import setup
-from gradlab.loop.precision import amp_failures, amp_gap
+from gradlab.loop.scale.dist import setup
+from gradlab.loop.numerics.precision import amp_failures, amp_gap
 D = setup("cpu", fsdp=True)
 c = tiny_case("cpu", prompts=4, G=4, seed=int(sys.argv[1]))
 ro, adv, N = c.ro, c.adv, c.ro.response_ids.shape[0]

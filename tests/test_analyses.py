@@ -388,3 +388,25 @@ def test_noise_budget_quick(tmp_path):
     assert noise_budget.main(["--from-csv", str(tmp_path / "noise_budget.csv"),
                               "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "noise_budget.md").read_text().split("Seeds by power")[0] == before
+
+
+def test_same_runs_reports_identical_and_differing_runs(tmp_path, capsys):
+    """analyses/same_runs.py: two trainings of one configuration are the same numbers (bitwise,
+    timings aside); another seed differs and exits 1, naming the first differing values."""
+    from analyses import same_runs
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.train import train
+
+    kw = dict(objectives=["grpo"], steps=2, prompts=2, G=4, minibatches=1, ckpt_every=1, progress=False,
+              probe_contexts=2, trace_every=1)
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        train(RunConfig(out=str(tmp_path / name), seed=seed, **kw))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "the same numbers" in out and " 0 checkpoint" not in out
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "c"), "--show", "1000"]) == 1
+    out = capsys.readouterr().out
+    assert "config.json: seed 0 vs 1" in out and "bytes differ" in out
+    (tmp_path / "b" / "traces").rename(tmp_path / "b" / "gone")
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert f"only in {tmp_path / 'a'}: traces" in capsys.readouterr().out

@@ -8,11 +8,11 @@ import tempfile
 import pytest
 import torch
 
-from gradlab.loop.archsweep import causal_lm_types, sweep_one, tiny_model
-from gradlab.loop.logprobs import positions, token_logps
-from gradlab.loop.policy import build_tokenizer, load_policy, save_policy
-from gradlab.loop.selfcheck import TOLERANCE, ModelRefused, reference_logps, self_check
-from gradlab.loop.task import ArithmeticTask
+from gradlab.loop.numerics.logprobs import positions, token_logps
+from gradlab.loop.setup.archsweep import causal_lm_types, sweep_one, tiny_model
+from gradlab.loop.setup.policy import build_tokenizer, load_policy, save_policy
+from gradlab.loop.setup.selfcheck import TOLERANCE, ModelRefused, reference_logps, self_check
+from gradlab.loop.setup.task import ArithmeticTask
 
 TYPES = causal_lm_types()  # generated from transformers' mapping, not typed
 _RESULTS: dict[str, dict] = {}
@@ -54,7 +54,7 @@ def _tiny_folder(tmp_path, model_type, head_scale: float = 1.0, **config):
 
 
 def _rollout_batch(model, tok):
-    from gradlab.loop.rollout import generate
+    from gradlab.loop.rollouts.rollout import generate
 
     ro = generate(model, tok, ArithmeticTask().problems(3, seed=4), G=3, max_new_tokens=6,
                   row_keys=torch.arange(9))
@@ -95,7 +95,7 @@ def test_final_logit_transforms_are_the_models_own(tmp_path, model_type, field):
 def test_self_check_refuses_a_path_without_the_transform(tmp_path, monkeypatch):
     """A training path that skipped Granite's logits_scaling is refused, naming the path and
     the gap; the real path passes."""
-    from gradlab.loop import logprobs
+    from gradlab.loop.numerics import logprobs
 
     model, tok = load_policy(_tiny_folder(tmp_path, "granite"))
     assert max(self_check(model, tok, ArithmeticTask()).values()) <= TOLERANCE
@@ -108,7 +108,7 @@ def test_self_check_refuses_a_path_without_the_transform(tmp_path, monkeypatch):
 
 def test_opt_decoder_found_through_get_decoder(tmp_path):
     """OPT's decoder sits at model.model.decoder: chunked log-probs = the model's own."""
-    from gradlab.loop.logprobs import decoder
+    from gradlab.loop.numerics.logprobs import decoder
 
     model, tok = load_policy(_tiny_folder(tmp_path, "opt"))
     assert decoder(model) is model.model.decoder
@@ -133,8 +133,8 @@ def test_cli_refuses_mamba_in_one_line_before_any_step(tmp_path, capsys):
 
 
 def test_attention_chosen_per_architecture(tmp_path):
-    from gradlab.loop.arch import choose_attn
     from gradlab.loop.config import ConfigError, RunConfig
+    from gradlab.loop.numerics.arch import choose_attn
 
     for t, want in (("qwen3", "sdpa"), ("gemma2", "eager"), ("bloom", "eager"),
                     ("gpt_oss", "eager")):
@@ -164,7 +164,7 @@ def test_cli_attn_sdpa_on_bloom_is_one_line(tmp_path, capsys):
 def test_dropout_off_by_default_and_kept_on_request(tmp_path):
     """GPT-2 with its 0.1 dropouts: off after load (train-mode forward = eval forward, the
     self-check passes in train mode); `dropout=True` keeps it (train-mode forwards differ)."""
-    from gradlab.loop.arch import set_dropout
+    from gradlab.loop.numerics.arch import set_dropout
 
     folder = _tiny_folder(tmp_path, "gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     ids = torch.arange(2, 12)[None]
@@ -217,7 +217,7 @@ def test_gap_is_measured_where_the_models_own_forward_is_finite():
     step 0, tests/test_faults.py)."""
     import torch
 
-    from gradlab.loop.selfcheck import _gap
+    from gradlab.loop.setup.selfcheck import _gap
 
     m = torch.tensor([[True, True, False]])
     ref = torch.tensor([[-1.0, -2.0, float("nan")]])

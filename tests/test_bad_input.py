@@ -211,7 +211,7 @@ def test_help_version_and_argument_errors_do_not_import_torch():
 
 def test_cli_copies_of_variance_choices_match_the_module():
     from gradlab.cli_args import ROLLOUTS, VARIANCE_OBJECTIVES
-    from gradlab.loop import variance
+    from gradlab.loop.recipes import variance
 
     assert ROLLOUTS == variance.ROLLOUTS
     assert VARIANCE_OBJECTIVES == ",".join(variance.DEFAULT_OBJECTIVES)

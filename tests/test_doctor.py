@@ -9,7 +9,7 @@ import torch
 
 from gradlab import objectives
 from gradlab.doctor import Check, read_step, report, tiny_case
-from gradlab.loop.precision import W_EXACT_RTOL, amp_failures
+from gradlab.loop.numerics.precision import W_EXACT_RTOL, amp_failures
 
 ENV_RUN = {"timeout": 300, "capture_output": True, "text": True}
 

@@ -11,13 +11,13 @@ import torch
 from gradlab.core.batch import TokenBatch
 from gradlab.core.nodes import shared_nodes
 from gradlab.loop.config import RunConfig
-from gradlab.loop.logprobs import context_logprobs, token_logps
-from gradlab.loop.metrics import StepMetrics
-from gradlab.loop.policy import load_policy
-from gradlab.loop.rollout import generate
-from gradlab.loop.step import drift_step, node_logprobs
-from gradlab.loop.task import ArithmeticTask
+from gradlab.loop.numerics.logprobs import context_logprobs, token_logps
+from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.train import Learner
+from gradlab.loop.update.metrics import StepMetrics
+from gradlab.loop.update.step import drift_step, node_logprobs
 from gradlab.probes.drift import KL_BUDGET, kl_nodes, kl_rows
 
 

@@ -10,7 +10,7 @@ import torch
 
 import gradlab
 from gradlab.loop.config import ConfigError, RunConfig
-from gradlab.loop.heldout import (
+from gradlab.loop.setup.heldout import (
     EVAL_BUCKETS,
     TrainSplit,
     eval_problems,
@@ -18,8 +18,8 @@ from gradlab.loop.heldout import (
     heldout_prompts,
     is_heldout,
 )
-from gradlab.loop.policy import load_policy
-from gradlab.loop.task import ArithmeticTask, JsonlTask, ScaffoldTask
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask, JsonlTask, ScaffoldTask
 from gradlab.loop.train import train
 
 SMALL = dict(steps=2, prompts=4, G=4, minibatches=2, ckpt_every=1, tax_every=0, progress=False,

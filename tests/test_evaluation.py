@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from gradlab.loop.config import RunConfig
-from gradlab.loop.evaluation import (
+from gradlab.loop.recipes.evaluation import (
     evaluate_path,
     expected_accuracy,
     heldout_draw,
     heldout_split,
     sampled_accuracy,
 )
-from gradlab.loop.heldout import eval_problems, is_heldout
-from gradlab.loop.policy import load_policy
-from gradlab.loop.task import ArithmeticTask, ScaffoldTask
+from gradlab.loop.setup.heldout import eval_problems, is_heldout
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask, ScaffoldTask
 from gradlab.loop.train import train
 
 

@@ -15,10 +15,10 @@ import torch
 from gradlab import objectives
 from gradlab.core.batch import TokenBatch, advantages
 from gradlab.core.nodes import shared_nodes
-from gradlab.loop.logprobs import positions
-from gradlab.loop.policy import load_policy
-from gradlab.loop.rollout import generate
-from gradlab.loop.task import ArithmeticTask
+from gradlab.loop.numerics.logprobs import positions
+from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.testing import measure_modulation, optimizer_step_on, random_batch
 
 # HF's eager attention and RMSNorm compute in float32 even in a float64 model, so each row's

@@ -23,10 +23,10 @@ from gradlab import objectives
 from gradlab.cli import main
 from gradlab.core.cancellation import cancellation
 from gradlab.loop.config import ConfigError, RunConfig
-from gradlab.loop.metrics import StepMetrics, _ratios
-from gradlab.loop.policy import load_policy, save_policy
-from gradlab.loop.store import CorruptFileError
+from gradlab.loop.runs.store import CorruptFileError
+from gradlab.loop.setup.policy import load_policy, save_policy
 from gradlab.loop.train import train
+from gradlab.loop.update.metrics import StepMetrics, _ratios
 from gradlab.testing import measure_modulation, random_batch
 
 DATA = Path(__file__).parent / "data"
@@ -174,7 +174,7 @@ def test_dfpo_min_with_a_nan_weight_inside_the_mask_gives_nan_not_index_error():
 # ----------------------------------------------------------------------------- 2. one writer
 
 
-HOLD = ("import sys, time\nfrom gradlab.loop.store import RunStore\n"
+HOLD = ("import sys, time\nfrom gradlab.loop.runs.store import RunStore\n"
         "s = RunStore(sys.argv[1], {'steps': 1})\nprint('holding', flush=True)\ntime.sleep(120)\n")
 
 
@@ -198,7 +198,7 @@ def test_second_writer_and_resume_of_a_live_run_name_the_holder(tmp_path, capsys
 
 
 def test_lock_is_reentrant_in_one_process_and_released_after_training(tmp_path):
-    from gradlab.loop.lock import _HELD, acquire
+    from gradlab.loop.runs.lock import _HELD, acquire
 
     a = acquire(tmp_path)
     b = acquire(tmp_path)
@@ -209,7 +209,7 @@ def test_lock_is_reentrant_in_one_process_and_released_after_training(tmp_path):
     out = tmp_path / "t"
     assert main(["tandem", "--out", str(out), "--objectives", "grpo", *FAST, "--steps", "1"]) == 0
     assert not _HELD  # train() released it: another process may now write
-    p = subprocess.run([sys.executable, "-c", "import sys; from gradlab.loop.lock import acquire; "
+    p = subprocess.run([sys.executable, "-c", "import sys; from gradlab.loop.runs.lock import acquire; "
                         "acquire(sys.argv[1]); print('ok')", str(out)], capture_output=True, text=True)
     assert p.stdout.strip() == "ok", p.stderr
 
@@ -396,7 +396,7 @@ def test_task_file_faults_are_one_line_naming_file_and_line(tmp_path, body, msg,
 
 
 def test_utf8_bom_is_accepted(tmp_path):
-    from gradlab.loop.task import JsonlTask
+    from gradlab.loop.setup.task import JsonlTask
 
     task = tmp_path / "t.jsonl"
     task.write_bytes(b"\xef\xbb\xbf" + GOOD)
@@ -540,7 +540,7 @@ def test_checkpoints_torn_between_objectives_are_one_line(tmp_path, damage, caps
 def test_all_finite_check_equals_elementwise_isfinite():
     """The guard's one-pass check (a float32 sum, exact max |x| when the sum is not finite)
     equals isfinite over every element, including finite values whose sum overflows."""
-    from gradlab.loop.guard import _all_finite
+    from gradlab.loop.faults.guard import _all_finite
 
     big = torch.full((4,), 3e38)  # finite; the sum overflows to inf
     cases = [[torch.randn(3, 5), torch.randn(7)], [big], [big, -big], [torch.randn(4), big],

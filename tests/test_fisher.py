@@ -1,6 +1,6 @@
 """Prop. 3.1's Fisher quadratic form (gradlab.probes.fisher) against brute force on a tiny
 Qwen3 (explicit Jacobian), the KL's second-order limit, Adam's step parts, and a real tandem
-step (gradlab.loop.prop31)."""
+step (gradlab.loop.recipes.prop31)."""
 
 import pytest
 import torch
@@ -131,7 +131,7 @@ def test_real_tandem_step(tmp_path):
     order: KL − ½δᵀFδ = O(‖δ‖³), i.e. the relative deviation shrinks ∝ ‖δ‖. The same samples
     at lr 2e-5 (Adam's first steps scale δ by exactly the lr ratio) must give ~10× smaller
     deviations (measured 0.08–0.12× on the six with |dev| > 0.1) and all within 5 %."""
-    from gradlab.loop.prop31 import prop31_tandem
+    from gradlab.loop.recipes.prop31 import prop31_tandem
 
     runs = {}
     for lr in (2e-4, 2e-5):

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import gradlab
 from gradlab.loop.config import RunConfig
-from gradlab.loop.policy import load_policy
-from gradlab.loop.step import minibatches
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.update.step import minibatches
 
 OBJS = ("gspo", "dfpo-min")
 # 8 prompts × G = 4 in 4 optimizer steps of 2 groups, micro-batch 4 = one group per pass:
@@ -105,10 +105,10 @@ def test_two_sharded_ranks_resumed_equal_one_process(one, tmp_path):
 
 WORKER = r"""
 import torch, torch.distributed as dist
-from gradlab.loop.dist import setup
-from gradlab.loop.fsdp import gathered
-from gradlab.loop.policy import load_policy
-from gradlab.loop.task import ArithmeticTask
+from gradlab.loop.scale.dist import setup
+from gradlab.loop.scale.fsdp import gathered
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask
 torch.manual_seed(0)
 D = setup("cpu", fsdp=True)
 model, _ = load_policy(None, task=ArithmeticTask())

@@ -5,7 +5,7 @@ With a GPU they check, on the tiny shipped policy unless said otherwise:
 - W exact in float32 on CUDA: hook W = closed form for every built-in objective, to
   W_EXACT_RTOL (1e-6 of max|W|), on an off-policy batch (clipping fires);
 - the bf16 path: hook W = closed form under autocast (same bound), and log-probs, W and the
-  policy gradient within the AMP_* bounds of CUDA float32 (gradlab/loop/precision.py);
+  policy gradient within the AMP_* bounds of CUDA float32 (gradlab/loop/numerics/precision.py);
 - memory: one instrumented optimizer step (probes on, drift off) of a real-vocabulary model
   (V = 151,936) at a fixed micro-batch of 16: peak `torch.cuda.max_memory_allocated` at 64
   sequences ≤ 1.15 × at 16 (the chunked log-softmax never holds (B, T, V));
@@ -23,7 +23,7 @@ import torch
 import gradlab
 from gradlab import objectives
 from gradlab.doctor import OBJECTIVES, read_step, tiny_case
-from gradlab.loop.precision import W_EXACT_RTOL, amp_failures, amp_gap
+from gradlab.loop.numerics.precision import W_EXACT_RTOL, amp_failures, amp_gap
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -60,11 +60,11 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
 
     from gradlab.core.batch import advantages
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.dist import Dist
-    from gradlab.loop.metrics import StepMetrics
-    from gradlab.loop.rollout import Rollout
-    from gradlab.loop.step import optimizer_step
+    from gradlab.loop.rollouts.rollout import Rollout
+    from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
+    from gradlab.loop.update.metrics import StepMetrics
+    from gradlab.loop.update.step import optimizer_step
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128,

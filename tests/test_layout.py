@@ -1,12 +1,27 @@
 """The package layout names the architecture: no import circle between gradlab's modules, the
-science (gradlab.core) imports neither torch.nn models nor the loop, and no file is over ~400
-lines."""
+science (gradlab.core) imports neither torch.nn models nor the loop, gradlab/loop is one
+sub-package per concern with imports flowing one way (`gradlab.loop.LAYERS`: a module imports
+from its own package and the ones before it, lazy imports included), the flat layout's module
+paths still import, and no file is over ~400 lines."""
 
 import ast
+import importlib
+import sys
+import warnings
 from pathlib import Path
+
+import pytest
+
+import gradlab.loop as loop
 
 PKG = Path(__file__).resolve().parents[1] / "gradlab"
 MAX_LINES = 450  # "~400": check.py and integrations/trl.py sit just over 400
+LOOP = PKG / "loop"
+# the flat layout's modules: each must still import from its old path
+FLAT = ("arch archsweep atomic config dist errors evaluation exitcodes fsdp guard heldout layouts "
+        "livelog lock logprobs metrics policy precision preempt probeset prop31 realmodel "
+        "reference repair reproduce resume rollout selfcheck step store task traces train tree "
+        "untrusted variance").split()
 
 
 def module_name(path: Path) -> str:
@@ -86,3 +101,73 @@ def test_no_file_over_the_line_limit():
     long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def upward_imports() -> list[str]:
+    """'file (its layer) imports layer' for every loop import against `loop.LAYERS`."""
+    rank = {name: i for i, name in enumerate(loop.LAYERS)}
+    bad = []
+    for path in sorted(LOOP.rglob("*.py")):
+        rel = path.relative_to(LOOP)
+        if rel == Path("__init__.py"):
+            continue
+        own = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for target in sorted(imports(path)):
+            parts = target.split(".")
+            if parts[:2] != ["gradlab", "loop"] or len(parts) < 3:
+                continue
+            if rank.get(parts[2], len(rank)) > rank.get(own, -1):
+                bad.append(f"{rel} ({own}) imports {target}")
+    return bad
+
+
+def test_loop_imports_point_down_the_layers():
+    assert not upward_imports(), "imports against gradlab.loop.LAYERS:\n" + "\n".join(upward_imports())
+
+
+def test_an_upward_import_is_caught():
+    bad = LOOP / "rollouts" / "_probe_upward.py"
+    bad.write_text("def f():\n    from ..runs.store import load_run\n")
+    try:
+        assert upward_imports() == ["rollouts/_probe_upward.py (rollouts) imports gradlab.loop.runs.store",
+                                    "rollouts/_probe_upward.py (rollouts) imports "
+                                    "gradlab.loop.runs.store.load_run"]
+    finally:
+        bad.unlink()
+
+
+def test_loop_top_level_is_small_and_each_package_says_its_concern():
+    entries = sorted(p.name.removesuffix(".py") for p in LOOP.iterdir() if p.name != "__init__.py"
+                     and (p.suffix == ".py" or (p / "__init__.py").exists()))
+    assert len(entries) <= 10 and entries == sorted(loop.LAYERS), entries
+    for pkg in (p for p in LOOP.iterdir() if (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
+        assert doc and "Imports" in doc, f"{pkg.name}/__init__.py: no docstring naming its imports"
+    long = {str(p.relative_to(LOOP)): n for p in LOOP.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+@pytest.mark.parametrize("name", FLAT)
+def test_old_loop_paths_import_the_moved_module(name):
+    if name in ("config", "train"):
+        assert importlib.import_module(f"gradlab.loop.{name}").__file__.endswith(f"loop/{name}.py")
+        return
+    new = importlib.import_module(f"gradlab.loop.{loop.MOVED[name]}.{name}")
+    sys.modules.pop(f"gradlab.loop.{name}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module(f"gradlab.loop.{name}")
+    assert old is new and old.__spec__.name == new.__name__
+    assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message)
+               for w in caught)
+
+
+def test_package_data_found_from_the_sub_packages():
+    """Paths to gradlab/data come from each module's own file: a deeper folder must not lose
+    them (without the shipped policy the loop would warm-start a new one)."""
+    from gradlab.loop.recipes.reference import REFERENCE
+    from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR, SCAFFOLD_POLICY_DIR
+
+    for p in (DEFAULT_POLICY_DIR, SCAFFOLD_POLICY_DIR, REFERENCE):
+        assert p.exists(), p

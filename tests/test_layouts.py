@@ -12,20 +12,20 @@ import pytest
 import torch
 
 import gradlab
-from gradlab.loop.layouts import _trie_points, batch_repair_of, layout_sums
-from gradlab.loop.logprobs import positions, token_logps
-from gradlab.loop.policy import load_policy
-from gradlab.loop.repair import (
+from gradlab.loop.numerics.logprobs import positions, token_logps
+from gradlab.loop.rollouts.layouts import _trie_points, batch_repair_of, layout_sums
+from gradlab.loop.rollouts.repair import (
     edited_span,
     first_departure,
     generate_repair,
     local_positions,
     repair_plan,
 )
-from gradlab.loop.rollout import Rollout, generate, stop_ids
-from gradlab.loop.step import micro_batches
-from gradlab.loop.task import ArithmeticTask
-from gradlab.loop.tree import decode, generate_tree, mix_keys, tree_shape
+from gradlab.loop.rollouts.rollout import Rollout, generate, stop_ids
+from gradlab.loop.rollouts.tree import decode, generate_tree, mix_keys, tree_shape
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask
+from gradlab.loop.update.step import micro_batches
 
 G = 8
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -99,7 +99,7 @@ def test_kv_reuse_at_real_vocabulary_with_sdpa():
     the mass of a random init): no padded id is sampled, and KV reuse equals recomputation."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from gradlab.loop.policy import build_tokenizer
+    from gradlab.loop.setup.policy import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen3Config(vocab_size=151_936, hidden_size=32, num_hidden_layers=2,

@@ -4,7 +4,7 @@ import pytest
 
 import gradlab
 from gradlab.loop.config import RunConfig
-from gradlab.loop.livelog import LiveLogger, scalars
+from gradlab.loop.runs.livelog import LiveLogger, scalars
 from gradlab.loop.train import train
 
 

@@ -19,14 +19,14 @@ import gradlab
 from gradlab.core import objectives
 from gradlab.core.batch import TokenBatch, advantages
 from gradlab.loop.config import ConfigError, RunConfig
-from gradlab.loop.dist import Dist
-from gradlab.loop.logprobs import token_logps
-from gradlab.loop.metrics import StepMetrics
-from gradlab.loop.policy import load_policy
-from gradlab.loop.rollout import generate
-from gradlab.loop.step import _accumulate, micro_batches, optimizer_step
-from gradlab.loop.task import ArithmeticTask
+from gradlab.loop.numerics.logprobs import token_logps
+from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.scale.dist import Dist
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.train import Learner, train
+from gradlab.loop.update.metrics import StepMetrics
+from gradlab.loop.update.step import _accumulate, micro_batches, optimizer_step
 
 G = 4
 VARIANTS = [(n, {}) for n in objectives.names()] + [
@@ -186,7 +186,7 @@ def test_no_extra_model_copies(tmp_path):
     from safetensors.torch import load_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from gradlab.loop.store import RunStore, _dedupe
+    from gradlab.loop.runs.store import RunStore, _dedupe
     from gradlab.loop.train import make_learners
 
     model, _ = load_policy()

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gradlab.loop import policy
-from gradlab.loop.policy import (
+from gradlab.loop.setup import policy
+from gradlab.loop.setup.policy import (
     ACCURACY_BAND,
     build_tokenizer,
     evaluate,
@@ -17,7 +17,7 @@ from gradlab.loop.policy import (
     tiny_config,
     warm_start,
 )
-from gradlab.loop.task import ArithmeticTask, JsonlTask
+from gradlab.loop.setup.task import ArithmeticTask, JsonlTask
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_bf16_folder_loads_fp32_master_weights_with_sdpa(tmp_path, default_polic
     pi, pm, ri, rm = policy.encode_pairs(tok, ["12+34=?", "1+2=?"], ["so 12+34=46", "so 1+2=3"])
     eager = new_model(tok, seed=1)
     eager.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
-    from gradlab.loop.logprobs import token_logps
+    from gradlab.loop.numerics.logprobs import token_logps
     torch.testing.assert_close(token_logps(m, pi, pm, ri, rm), token_logps(eager, pi, pm, ri, rm),
                                atol=2e-5, rtol=0)
     m.train()

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from gradlab.loop.logprobs import token_logps
+from gradlab.loop.numerics.logprobs import token_logps
 
 
 class _Count(TorchDispatchMode):

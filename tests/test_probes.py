@@ -357,13 +357,13 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
 
     from gradlab.core.nodes import shared_nodes
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.logprobs import token_logps
-    from gradlab.loop.metrics import StepMetrics
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.rollout import generate
-    from gradlab.loop.step import drift_step, node_logprobs
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.numerics.logprobs import token_logps
+    from gradlab.loop.rollouts.rollout import generate
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import ArithmeticTask
     from gradlab.loop.train import Learner
+    from gradlab.loop.update.metrics import StepMetrics
+    from gradlab.loop.update.step import drift_step, node_logprobs
 
     model, tok = load_policy()
     task = ArithmeticTask()
@@ -415,12 +415,12 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     """The loop's cheap g_tax (rep rows, truncated forward) equals learning_tax on the full graph."""
     from gradlab.core.nodes import shared_nodes
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.logprobs import token_logps
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.rollout import generate
-    from gradlab.loop.step import tax_step
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.numerics.logprobs import token_logps
+    from gradlab.loop.rollouts.rollout import generate
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import ArithmeticTask
     from gradlab.loop.train import Learner
+    from gradlab.loop.update.step import tax_step
 
     model, tok = load_policy()
     model.train()

@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import t as student_t
 
 from analyses import main_job
-from gradlab.loop.reference import CHECKED, check, load_reference, make_reference, report
+from gradlab.loop.recipes.reference import CHECKED, check, load_reference, make_reference, report
 
 
 @pytest.fixture(scope="module")

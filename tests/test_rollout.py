@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from gradlab.loop.logprobs import token_logps
-from gradlab.loop.policy import build_tokenizer, load_policy, new_model
-from gradlab.loop.rollout import Rollout, generate, score
-from gradlab.loop.task import ArithmeticTask
+from gradlab.loop.numerics.logprobs import token_logps
+from gradlab.loop.rollouts.rollout import Rollout, generate, score
+from gradlab.loop.setup.policy import build_tokenizer, load_policy, new_model
+from gradlab.loop.setup.task import ArithmeticTask
 
 G = 4
 
@@ -147,8 +147,8 @@ def test_rollout_to_and_untrained_model(setup):
 
 def test_row_keyed_sampling_is_independent_of_batch_layout():
     """Rows sampled alone or in a bigger batch, in any order, get the same tokens (DDP shards)."""
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import ArithmeticTask
 
     model, tok = load_policy()
     probs = ArithmeticTask().problems(3, seed=5)
@@ -164,7 +164,7 @@ def test_hashed_uniform_and_inverse_cdf_against_independent_computation():
     """One float64 uniform per (key, t); the token is the first id whose CDF exceeds u * total."""
     import numpy as np
 
-    from gradlab.loop.rollout import _sample, hashed_uniform
+    from gradlab.loop.rollouts.rollout import _sample, hashed_uniform
 
     keys = torch.arange(20_000) + 7
     u = hashed_uniform(keys, 3)
@@ -190,7 +190,7 @@ def test_hashed_uniform_and_inverse_cdf_against_independent_computation():
 
 def test_vocab_mask_and_stop_list():
     """Ids >= len(tokenizer) are never sampled; any generation_config eos id ends a row."""
-    from gradlab.loop.rollout import _sample, stop_ids
+    from gradlab.loop.rollouts.rollout import _sample, stop_ids
 
     logits = torch.zeros(4000, 10)
     logits[:, 7:] = 5.0  # most mass on the padded ids 7..9

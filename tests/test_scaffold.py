@@ -7,9 +7,9 @@ import torch
 import gradlab
 from gradlab.cli import main
 from gradlab.loop.config import RunConfig
-from gradlab.loop.policy import SCAFFOLD_POLICY_DIR, build_tokenizer, load_policy
-from gradlab.loop.rollout import generate
-from gradlab.loop.task import SCAFFOLD_PREAMBLE, ScaffoldTask, get_task
+from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.setup.policy import SCAFFOLD_POLICY_DIR, build_tokenizer, load_policy
+from gradlab.loop.setup.task import SCAFFOLD_PREAMBLE, ScaffoldTask, get_task
 from gradlab.loop.train import train
 
 

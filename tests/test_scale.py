@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from gradlab.loop import logprobs as lpmod
-from gradlab.loop.logprobs import token_logps
+from gradlab.loop.numerics import logprobs as lpmod
+from gradlab.loop.numerics.logprobs import token_logps
 
 QWEN_VOCAB = 151_936  # Qwen3 embedding rows (the tokenizer has 151,669 ids)
 
@@ -108,9 +108,9 @@ def test_real_vocabulary_logps_match_small_chunk_reference():
 def test_real_vocabulary_sampling_masks_padded_ids_and_stops_on_eos_list():
     """A 151,936-row model with a 99-id tokenizer: no sampled id >= 99 (random init puts ~all
     mass on the padded rows), old_logps == token_logps (chunked), and every eos id stops."""
-    from gradlab.loop.policy import build_tokenizer
-    from gradlab.loop.rollout import generate
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.rollouts.rollout import generate
+    from gradlab.loop.setup.policy import build_tokenizer
+    from gradlab.loop.setup.task import ArithmeticTask
 
     tok = build_tokenizer()
     model = _qwen(QWEN_VOCAB, seed=2)
@@ -139,9 +139,9 @@ def _jsonl(tmp_path, prompts):
 
 def test_prepare_run_prompt_limit_chat_template_and_checkpointing(tmp_path):
     from gradlab.loop.config import ConfigError, RunConfig
-    from gradlab.loop.policy import build_tokenizer
-    from gradlab.loop.realmodel import PromptTask, prepare_run
-    from gradlab.loop.task import get_task
+    from gradlab.loop.setup.policy import build_tokenizer
+    from gradlab.loop.setup.realmodel import PromptTask, prepare_run
+    from gradlab.loop.setup.task import get_task
 
     tok = build_tokenizer()
     model = _qwen(len(tok))
@@ -169,9 +169,9 @@ def test_prepare_run_prompt_limit_chat_template_and_checkpointing(tmp_path):
 
 def test_grad_checkpointing_gives_the_same_gradients():
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.policy import build_tokenizer
-    from gradlab.loop.realmodel import prepare_run
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.setup.policy import build_tokenizer
+    from gradlab.loop.setup.realmodel import prepare_run
+    from gradlab.loop.setup.task import ArithmeticTask
 
     batch = _batch(257)
     grads = []
@@ -190,7 +190,7 @@ def test_grad_checkpointing_gives_the_same_gradients():
 def test_math_verifier(tmp_path, monkeypatch):
     import sys
 
-    from gradlab.loop.task import get_task, set_verifier
+    from gradlab.loop.setup.task import get_task, set_verifier
 
     task = get_task(_jsonl(tmp_path, ["half=?"]))
     with pytest.raises(ValueError, match="applies to JSONL"):
@@ -226,7 +226,7 @@ def test_train_uses_chat_template_and_grad_checkpointing_changes_nothing(tmp_pat
     import json
 
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.policy import load_policy, save_policy
+    from gradlab.loop.setup.policy import load_policy, save_policy
     from gradlab.loop.train import train
 
     model, tok = load_policy()

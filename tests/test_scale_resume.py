@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from gradlab.cli import main
 from gradlab.loop.config import RunConfig
-from gradlab.loop.resume import config_differences
+from gradlab.loop.runs.resume import config_differences
 
 NEW = ("max_prompt_len", "chat_template", "grad_checkpointing", "verifier")
 RUN = ["--objectives", "grpo", "--prompts", "2", "--G", "2", "--minibatches", "1",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradlab.loop.task import ArithmeticTask, JsonlTask, Problem, extract_answer, get_task
+from gradlab.loop.setup.task import ArithmeticTask, JsonlTask, Problem, extract_answer, get_task
 
 TINY = Path(__file__).parent / "data" / "tiny_task.jsonl"
 

@@ -11,7 +11,7 @@ import torch
 import gradlab
 from gradlab import objectives
 from gradlab.loop.config import ConfigError, RunConfig
-from gradlab.loop.traces import COLUMNS, token_rows
+from gradlab.loop.runs.traces import COLUMNS, token_rows
 from gradlab.loop.train import train
 from gradlab.testing import measure_modulation, random_batch
 

@@ -16,8 +16,8 @@ import gradlab
 from gradlab import objectives
 from gradlab.cli import main
 from gradlab.loop.config import ConfigError, RunConfig
-from gradlab.loop.step import minibatches
 from gradlab.loop.train import train
+from gradlab.loop.update.step import minibatches
 
 DATA = Path(__file__).parent / "data"
 SMALL = dict(steps=2, prompts=4, G=4, minibatches=2, ckpt_every=1, tax_every=1, progress=False,

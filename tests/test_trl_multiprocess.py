@@ -86,7 +86,7 @@ def same_store(sa, sb) -> dict[str, float]:
 
 
 def initial_weights() -> dict:
-    from gradlab.loop.policy import load_policy
+    from gradlab.loop.setup.policy import load_policy
 
     return {k: v.detach().clone() for k, v in load_policy()[0].state_dict().items()}
 

@@ -1,5 +1,5 @@
 """Gradient-noise statistics (gradlab.probes.variance) against brute force, the recipe
-(gradlab.loop.variance) end to end on the shipped policy, the figure, the CLI and the analysis."""
+(gradlab.loop.recipes.variance) end to end on the shipped policy, the figure, the CLI and the analysis."""
 
 import sys
 from pathlib import Path
@@ -13,12 +13,12 @@ from gradlab.cli import main
 from gradlab.core import objectives
 from gradlab.core.batch import advantages
 from gradlab.loop.config import ConfigError
-from gradlab.loop.logprobs import token_logps
-from gradlab.loop.policy import load_policy
-from gradlab.loop.step import rows_batch
-from gradlab.loop.store import RunStore
-from gradlab.loop.task import get_task
-from gradlab.loop.variance import COLUMNS, draw, measure_variance
+from gradlab.loop.numerics.logprobs import token_logps
+from gradlab.loop.recipes.variance import COLUMNS, draw, measure_variance
+from gradlab.loop.runs.store import RunStore
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import get_task
+from gradlab.loop.update.step import rows_batch
 from gradlab.probes import variance as V
 from gradlab.viz.variance import summary_table, variance_figure
 
@@ -119,7 +119,7 @@ def test_recipe_batch_zero_by_hand(tiny):
     task = get_task("arithmetic")
     model, tok = load_policy(None, task=task)
     model.train()
-    from gradlab.loop.heldout import TrainSplit
+    from gradlab.loop.setup.heldout import TrainSplit
 
     ro = draw("independent", model, tok, task, TrainSplit(task).problems(2, seed=0), 4, 0, 0,
               task.max_new_tokens, 1.0)
@@ -199,7 +199,7 @@ def test_analysis_quick(tmp_path):
 
 @pytest.mark.parametrize("rollout", ["tree", "repair"])
 def test_variance_on_counterfactual_layouts(rollout):
-    from gradlab.loop.variance import measure_variance
+    from gradlab.loop.recipes.variance import measure_variance
 
     df = measure_variance(["grpo", "ibpo[form=ga+la]"], task="arithmetic", K=2,
                           reference_batches=2, prompts=2, G=4, rollout=rollout, progress=False)

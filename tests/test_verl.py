@@ -184,10 +184,10 @@ def test_on_the_tiny_model_W_and_dfpo_through_a_real_backward():
     the real backward; gradlab_dfpo:vanilla's parameter gradient = that of −Σ sg(W̃)·l."""
     from gradlab.core.batch import TokenBatch, advantages
     from gradlab.core.cancellation import cancellation
-    from gradlab.loop.logprobs import token_logps
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.rollout import generate
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.numerics.logprobs import token_logps
+    from gradlab.loop.rollouts.rollout import generate
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import ArithmeticTask
     from gradlab.probes import ModulationProbe
 
     gv, actor_config = _setup()
@@ -277,7 +277,7 @@ def _micro_batch_td(model, ro, rows, adv, uid: bool, gbs: int):
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
-    from gradlab.loop.logprobs import token_logps
+    from gradlab.loop.numerics.logprobs import token_logps
 
     P = ro.prompt_ids.shape[1]
     lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
@@ -311,9 +311,9 @@ def test_gradlab_ppo_loss_on_verl_real_ppo_loss(uid):
 
     from gradlab.core.batch import advantages
     from gradlab.integrations import verl_actor
-    from gradlab.loop.policy import load_policy
-    from gradlab.loop.rollout import generate
-    from gradlab.loop.task import ArithmeticTask
+    from gradlab.loop.rollouts.rollout import generate
+    from gradlab.loop.setup.policy import load_policy
+    from gradlab.loop.setup.task import ArithmeticTask
 
     gv, actor_config = _setup()
     assert losses.ppo_loss is verl_actor.gradlab_ppo_loss  # installed by the import

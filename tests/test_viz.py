@@ -8,7 +8,7 @@ import pytest
 import gradlab.viz as viz
 from gradlab import objectives
 from gradlab.core.cancellation import cancellation
-from gradlab.loop.traces import row_in_group, token_rows
+from gradlab.loop.runs.traces import row_in_group, token_rows
 from gradlab.testing import measure_modulation, random_batch
 
 

@@ -48,8 +48,8 @@ from trl.trainer import grpo_trainer as _grpo_module
 from ..core.batch import TokenBatch
 from ..core.dfpo import SCOPES, TRANSFORMS
 from ..core.nodes import NODE_KINDS
-from ..loop.store import RunStore
-from ..loop.traces import trace_window
+from ..loop.runs.store import RunStore
+from ..loop.runs.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
 from .trl_ibpo import IBPOLoss, check_trainer, local_advantages, parse_loss
 from .trl_resume import ResumeMixin, open_store
@@ -305,7 +305,7 @@ class GradlabMixin(ResumeMixin):
                 "step": w.index, "objective": self._gl_label(), "seed": self.args.seed,
                 "tokens": self._gl_tokens, "iteration": w.iteration,
                 "global_step": self.state.global_step, **w.metrics})
-            if self.gradlab.trace_every and w.index % self.gradlab.trace_every == 0:  # loop/traces.py
+            if self.gradlab.trace_every and w.index % self.gradlab.trace_every == 0:  # loop/runs/traces.py
                 trace_window(self.gradlab_store.path, self._gl_label(), w, self.processing_class,
                              self.gradlab.trace_groups)
 

@@ -60,7 +60,7 @@ def dataset_and_reward(workload: Workload, n: int, seed: int = 0):
     """(datasets.Dataset of n prompts, a TRL reward function) for a workload."""
     from datasets import Dataset
 
-    from ..loop.task import ArithmeticTask, Problem
+    from ..loop.setup.task import ArithmeticTask, Problem
 
     task = ArithmeticTask(difficulty=workload.difficulty)
     probs = task.problems(n, seed=seed)
@@ -86,7 +86,7 @@ def grpo_args(loss_type: str, level: str, spg: int, steps: int, out_dir: str, *,
     cispo (TRL's recommendation); `extra` overrides."""
     from trl import GRPOConfig
 
-    from ..loop.task import ArithmeticTask
+    from ..loop.setup.task import ArithmeticTask
 
     kw = dict(  # noqa: C408 (keyword style mirrors GRPOConfig)
         output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
@@ -110,7 +110,7 @@ def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = Tr
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
-    from ..loop.policy import load_policy
+    from ..loop.setup.policy import load_policy
     from .trl import GradlabGRPOTrainer
 
     model, tok = load_policy()

@@ -13,8 +13,8 @@ import json
 import logging
 import os
 
-from ..loop.lock import RunInUseError
-from ..loop.store import RunStore
+from ..loop.runs.lock import RunInUseError
+from ..loop.runs.store import RunStore
 
 log = logging.getLogger("gradlab")
 

@@ -100,10 +100,10 @@ def tiny_model_batches(seeds: int, off: bool) -> list[TokenBatch]:
     reward; off-policy = log-probs after one AdamW step (lr 2e-4, the loop's) on another rollout."""
     from ..core import objectives
     from ..core.batch import advantages
-    from ..loop.logprobs import token_logps
-    from ..loop.policy import load_policy
-    from ..loop.rollout import generate
-    from ..loop.task import ArithmeticTask
+    from ..loop.numerics.logprobs import token_logps
+    from ..loop.rollouts.rollout import generate
+    from ..loop.setup.policy import load_policy
+    from ..loop.setup.task import ArithmeticTask
     from ..testing import optimizer_step_on
 
     task, out = ArithmeticTask(difficulty=3), []

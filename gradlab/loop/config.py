@@ -6,10 +6,15 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .errors import ConfigError
+from .faults.errors import ConfigError
 
 DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth")
 MODES = ("tandem", "same-batch")
+# the rollout layouts' option values, here so validation needs no sampler code
+LAYOUTS = ("independent", "tree", "repair")  # --rollout (rollouts/layouts.py)
+BRANCH_AT = ("entropy", "uniform")  # --branch-at (rollouts/tree.py)
+BRANCH_TOKEN = ("sample", "alternative")  # --branch-token
+REPAIR_MODES = ("resample", "splice", "local")  # --repair (rollouts/repair.py)
 
 
 @dataclass
@@ -33,7 +38,7 @@ class RunConfig:
     steps: int = 150
     prompts: int = 8
     G: int = 8
-    rollout: str = "independent"  # group layout: independent, tree or repair (loop/layouts.py)
+    rollout: str = "independent"  # group layout: independent, tree or repair (loop/rollouts/layouts.py)
     roots: int = 2  # tree: independent starts per group
     branches: int = 2  # tree: children per path (branch points per path)
     branch_at: str = "entropy"  # tree: where children branch (entropy-weighted or uniform)
@@ -62,7 +67,7 @@ class RunConfig:
     ckpt_every: int = 10
     tax_every: int = 5
     eval_every: int = 10  # held-out evaluation every k rollout steps and at the end (0 = off)
-    eval_size: int = 64  # held-out problems per evaluation (loop/heldout.py)
+    eval_size: int = 64  # held-out problems per evaluation (loop/setup/heldout.py)
     probes: bool = True
     drift: bool = True
     probe_contexts: int = 16
@@ -162,7 +167,7 @@ def validate(c: RunConfig) -> None:
     if c.model is not None and not (Path(c.model) / "config.json").is_file():
         raise ConfigError(f"--model: no Hugging Face model folder (config.json) at {c.model}")
     if c.model is not None:
-        from .untrusted import check_remote_code
+        from .faults.untrusted import check_remote_code
 
         check_remote_code(c.model, c.trust_remote_code)  # auto_map: refused unless trusted
     if not (c.device == "cpu" or c.device.startswith("cuda")):
@@ -170,18 +175,14 @@ def validate(c: RunConfig) -> None:
     if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
         raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
     if c.task.endswith(".jsonl"):
-        from .untrusted import check_task_size
+        from .faults.untrusted import check_task_size
 
         check_task_size(c.task)  # refused from its size, before anything reads it
 
 
 
 def _validate_layout(c: RunConfig) -> None:
-    """The rollout layout options (loop/layouts.py)."""
-    from .layouts import LAYOUTS
-    from .repair import REPAIR_MODES
-    from .tree import BRANCH_AT, BRANCH_TOKEN
-
+    """The rollout layout options (loop/rollouts/layouts.py)."""
     for opt, valid in (("rollout", LAYOUTS), ("branch_at", BRANCH_AT),
                        ("branch_token", BRANCH_TOKEN), ("repair", REPAIR_MODES)):
         if getattr(c, opt) not in valid:

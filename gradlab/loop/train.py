@@ -5,7 +5,7 @@ all from the same initial weights, the same prompt stream (prompts of rollout st
 function of (seed, k)) and the same compute: `steps` rollout batches of prompts × G responses,
 each cut into `minibatches` optimizer steps (groups stay whole unless `split_groups`).
 
-Each optimizer step (`gradlab.loop.step`) measures W with a backward hook on the real (B, T) log-probs,
+Each optimizer step (`gradlab.loop.update.step`) measures W with a backward hook on the real (B, T) log-probs,
 the cancellation residual at full-group and trie nodes, and (scheduled) the parameter-space
 learning tax, mechanism attribution and drift at the step's shared contexts; per rollout step
 the cumulative KL at a fixed probe set of shared contexts and the equal-solution log-odds.
@@ -24,23 +24,23 @@ from ..core import objectives
 from ..core.batch import advantages
 from ..provenance import record as record_provenance
 from .config import ConfigError, RunConfig
-from .dist import Dist, setup, unwrap
-from .fsdp import full_checkpoint, gathered, rebuild_optimizer
-from .heldout import TrainSplit, eval_problems, evaluate_heldout
-from .layouts import sample_layout
-from .livelog import LiveLogger
-from .metrics import StepMetrics
-from .policy import load_policy
-from .precision import amp_context
-from .preempt import Preempted, StopSignals
-from .probeset import probe_metrics, probe_set
-from .realmodel import format_problems, prepare_run
-from .resume import resolve_resume, restore
-from .rollout import Rollout
-from .step import minibatches, optimizer_step
-from .store import RunStore
-from .task import BUILTIN_TASKS, check_encodable, get_task
-from .traces import TraceWriter
+from .faults.preempt import Preempted, StopSignals
+from .numerics.precision import amp_context
+from .rollouts.layouts import sample_layout
+from .rollouts.rollout import Rollout
+from .runs.livelog import LiveLogger
+from .runs.resume import resolve_resume, restore
+from .runs.store import RunStore
+from .runs.traces import TraceWriter
+from .scale.dist import Dist, setup, unwrap
+from .scale.fsdp import full_checkpoint, gathered, rebuild_optimizer
+from .setup.heldout import TrainSplit, eval_problems, evaluate_heldout
+from .setup.policy import load_policy
+from .setup.realmodel import format_problems, prepare_run
+from .setup.task import BUILTIN_TASKS, check_encodable, get_task
+from .update.metrics import StepMetrics
+from .update.probeset import probe_metrics, probe_set
+from .update.step import minibatches, optimizer_step
 
 EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected", "time_eval")
 
@@ -55,7 +55,7 @@ class Learner:
     opt: torch.optim.Optimizer
     gen: torch.Generator
     tokens: int = 0  # response tokens consumed so far
-    tracer: TraceWriter | None = None  # token traces (loop/traces.py)
+    tracer: TraceWriter | None = None  # token traces (loop/runs/traces.py)
     step: int = 0  # the rollout step in progress (named by the non-finite guard)
 
 
@@ -91,7 +91,7 @@ def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout
     g = torch.tensor(mine, device=cfg.device).repeat_interleave(cfg.G)  # global group labels
     rows = g * cfg.G + torch.arange(cfg.G, device=cfg.device).repeat(len(mine))
     keys = (cfg.seed * 1_000_003 + step) * 1_000_003 + rows
-    with gathered(L.model), amp_context(cfg):  # FSDP: full weights while sampling (loop/fsdp.py)
+    with gathered(L.model), amp_context(cfg):  # FSDP: full weights while sampling (loop/scale/fsdp.py)
         ro = sample_layout(cfg, unwrap(L.model), tok, [problems[i] for i in mine], task, keys)
     L.model.train()
     ro.group = torch.tensor(mine, device=cfg.device)[ro.group]  # local → global group labels
@@ -128,10 +128,10 @@ def train(cfg: RunConfig, resume: bool | str = False) -> RunStore:
     """Run the tandem (or same-batch) loop; returns the run store.
 
     Under torchrun (WORLD_SIZE > 1) every rank runs this function on its shard of the prompts
-    (gradlab.loop.dist); rank 0 alone writes the store and checkpoints. resume: True, False
-    or "auto" (resume when `cfg.out` holds a run; what a torchrun restart does, loop/resume.py).
+    (gradlab.loop.scale.dist); rank 0 alone writes the store and checkpoints. resume: True, False
+    or "auto" (resume when `cfg.out` holds a run; what a torchrun restart does, loop/runs/resume.py).
     SIGTERM, SIGUSR1 or SIGINT: the step in flight is finished and checkpointed, then
-    `Preempted` is raised (loop/preempt.py).
+    `Preempted` is raised (loop/faults/preempt.py).
     """
     with StopSignals() as signals:
         return _train(cfg, resume, signals)
@@ -151,10 +151,10 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     # A JSONL task without --model uses the default tiny policy (its tokenizer covers ASCII).
     model, tok = load_policy(cfg.model, task=task if builtin else None, device=cfg.device,
                              trust_remote_code=cfg.trust_remote_code)
-    check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/task.py)
-    # training never draws a held-out problem; evaluation uses only those (loop/heldout.py)
+    check_encodable(task, tok)  # characters the tokenizer cannot encode: refused (loop/setup/task.py)
+    # training never draws a held-out problem; evaluation uses only those (loop/setup/heldout.py)
     evalset = eval_problems(task, cfg.eval_size) if cfg.eval_every else []
-    # chat template, prompt limit, grad checkpointing, verifier (loop/realmodel.py); the split
+    # chat template, prompt limit, grad checkpointing, verifier (loop/setup/realmodel.py); the split
     # stays on the raw prompts, the template wraps what the model sees
     task = prepare_run(cfg, model, tok, TrainSplit(task))
     evalset = format_problems(task, evalset)
@@ -165,7 +165,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     learners = make_learners(cfg, model, trained)
     del model
-    start = restore(store, learners, D) if resume else 0  # loop/resume.py
+    start = restore(store, learners, D) if resume else 0  # loop/runs/resume.py
     if D.main:  # the code, machine and thread count of this segment (gradlab/provenance.py)
         record_provenance(store.path, start)
     if 0 < start < cfg.steps and cfg.eval_every and start % cfg.eval_every and D.main:
@@ -221,7 +221,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
             break
     live.close()
     D.close()
-    store.close()  # release the run folder's writer lock (loop/lock.py)
+    store.close()  # release the run folder's writer lock (loop/runs/lock.py)
     if stop:
         raise Preempted(stop, step + 1, cfg.steps, store.path, D.main)
     return store

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import functional_call, jvp
 
-from ..loop.logprobs import positions
+from ..loop.numerics.logprobs import positions
 
 Params = dict[str, Tensor]
 F64_ATTN = "gradlab_float64"
@@ -92,7 +92,7 @@ def context_logprobs_fn(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask:
     """f(params) → (K, V) log π(·|h_k) at the K contexts (rows[k], pos[k]) of a rollout layout.
 
     prompt_ids/prompt_mask (N, P) left-padded, response_ids/response_mask (N, T') right-padded
-    (the layout of `gradlab.loop.logprobs.token_logps`); the context of (r, t) is the prompt of
+    (the layout of `gradlab.loop.numerics.logprobs.token_logps`); the context of (r, t) is the prompt of
     row r and its response tokens before t, i.e. the distribution of response token t. The
     logits stay in the model's dtype (use a float64 copy of the model for a precise KL).
     """

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..loop.atomic import write_file
+from ..loop.faults.atomic import write_file
 from .curves import CURVES, plt, training_curves
 from .runs import run_title
 
@@ -67,8 +67,8 @@ def render(title: str, svg: str, payload: dict) -> str:
 def view(run: str | Path, out: str | Path | None = None, refresh: float | None = None) -> Path:
     """Write the page of run folder `run` (default RUN/view.html); returns its path.
     refresh: seconds after which the browser reloads the page (a run being watched)."""
-    from ..loop.store import load_run
-    from ..loop.traces import load_traces
+    from ..loop.runs.store import load_run
+    from ..loop.runs.traces import load_traces
 
     run = Path(run)
     if not (run / "config.json").exists():
@@ -93,7 +93,7 @@ def watch(run: str | Path, out: str | Path | None = None, every: float = 30.0,
     checkpointed (then one last page without the reload) or after `rounds` pages."""
     import time
 
-    from ..loop.resume import run_status
+    from ..loop.runs.resume import run_status
 
     n = 0
     while True:

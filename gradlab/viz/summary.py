@@ -41,7 +41,7 @@ def run_rows(tidy: pd.DataFrame, last: int = LAST) -> pd.DataFrame:
 
 def run_table(run: str | Path, last: int = LAST) -> str:
     """The Markdown table of `run_rows` for run folder `run`."""
-    from ..loop.store import load_run
+    from ..loop.runs.store import load_run
 
     df = run_rows(load_run(run), last)
     lines = [f"| objective | reward (last {last} steps) | held-out accuracy | ρ trie | "
@@ -59,7 +59,7 @@ NOTE = ("ρ: cancellation ratio at shared nodes (0 = the shared part cancels); t
 def write_run_summary(run: str | Path, cfg=None) -> str:
     """Write RUN/summary.md (the table of `run_table` under a one-line description of the run)
     and return the table."""
-    from ..loop.atomic import write_file
+    from ..loop.faults.atomic import write_file
 
     table = run_table(run)
     what = (f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G} on {cfg.task}, "

@@ -1,5 +1,5 @@
 """Gradient noise and cosine to the reference per objective, with bootstrap intervals, from the
-tidy table of `gradlab.loop.variance.measure_variance` (summary rows: batch <NA>)."""
+tidy table of `gradlab.loop.recipes.variance.measure_variance` (summary rows: batch <NA>)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pre-emption: SIGTERM, SIGUSR1 or SIGINT finish the step in flight, checkpoint, print one line
 naming the checkpoint and the resume command, and exit 143 / 130; --resume is then bitwise the
-uninterrupted run (loop/preempt.py)."""
+uninterrupted run (loop/faults/preempt.py)."""
 
 import os
 import signal
@@ -69,7 +69,7 @@ def test_handlers_are_put_back_after_training(tmp_path):
 def test_python_api_raises_preempted_with_the_checkpoint(tmp_path):
     """train() in a notebook: a signal during a step stops after it with `Preempted`."""
     from gradlab.loop.config import RunConfig
-    from gradlab.loop.preempt import Preempted
+    from gradlab.loop.faults.preempt import Preempted
     from gradlab.loop.train import train
 
     cfg = RunConfig(out=str(tmp_path / "r"), objectives=["grpo"], prompts=4, G=4, minibatches=2,

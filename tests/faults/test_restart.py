@@ -1,6 +1,6 @@
 """Restarted ranks: `--resume auto`, a job restarted by torchrun resuming by itself, and a rank
 killed under `torchrun --max-restarts 1` ending in a complete run with every step once and the
-uninterrupted metrics (loop/resume.py `resolve_resume`, loop/dist.py rendezvous per round)."""
+uninterrupted metrics (loop/runs/resume.py `resolve_resume`, loop/scale/dist.py rendezvous per round)."""
 
 import os
 import signal

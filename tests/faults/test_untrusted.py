@@ -1,4 +1,4 @@
-"""Untrusted inputs (loop/untrusted.py): a model folder asking for remote code, pickle
+"""Untrusted inputs (loop/faults/untrusted.py): a model folder asking for remote code, pickle
 weights, an oversized JSONL task. Refused with one line and exit code 2 before anything runs
 or is read; the code in them never runs unless trusted."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradlab.cli import main
-from gradlab.loop.policy import DEFAULT_POLICY_DIR
+from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR
 
 from .helpers import ENV, RUN
 
@@ -139,7 +139,7 @@ def test_a_jsonl_task_over_the_size_limit_is_refused_unread(tmp_path, capsys, mo
     monkeypatch.setenv("GRADLAB_MAX_TASK_MB", "1")
     assert main(["tandem", "--out", str(tmp_path / "run"), "--task", str(small), *RUN]) == 2
     assert "over the 1 MiB limit" in _one_line(capsys)
-    from gradlab.loop.task import JsonlTask
+    from gradlab.loop.setup.task import JsonlTask
 
     monkeypatch.delenv("GRADLAB_MAX_TASK_MB")
     assert len(JsonlTask(small)) == 40_000  # under the default limit: read

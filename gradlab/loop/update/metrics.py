@@ -1,0 +1,216 @@
+"""Per-step metrics of the loop: record numbers on the device, sync once per rollout step.
+
+`StepMetrics` only records what the step and the probes hand it: over the optimizer steps of
+one rollout batch it keeps sums and counts (never averages of ratios), so ρ = Σ residual /
+Σ mass over all the steps' nodes, and combines data-parallel ranks in `finish`.
+
+A ratio is a sum over all optimizer steps and ranks divided by another, so data-parallel ranks
+report what one process computes on the whole batch (tests/test_ddp.py holds every metric to it):
+clip_frac and ratio_mean are token means over the rollout step's response tokens (Σ clipped /
+Σ tokens, Σ r / Σ tokens); attr_<mechanism> = Σ(res − res_off) / Σ res over the tax steps'
+full-group nodes (a residual-weighted mean: on-policy steps whose residual is float noise weigh
+~0), attr_residual = Σ res. One exception, by definition: the "length" counterfactual of
+attr_length sets T_i to the mean length of the rows the objective sees — under DDP a rank's own
+rows — so attr_length is per rank there (`gradlab.core.losses._lengths`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from ...core.batch import TokenBatch
+from ...core.credit import branch_tokens
+from ..rollouts.layouts import layout_sums
+
+TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
+
+
+class StepMetrics:
+    """Accumulator for one rollout step of one learner."""
+
+    def __init__(self, D=None) -> None:
+        from ..scale.dist import Dist
+
+        self.D = D if D is not None else Dist()
+        self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
+        self.means: dict[str, list] = defaultdict(list)  # averaged at finish
+        self.maxes: dict[str, list[Tensor]] = defaultdict(list)
+        self.times: dict[str, float] = defaultdict(float)
+
+    def time(self, what: str, since: float) -> None:
+        self.times[f"time_{what}"] += time.perf_counter() - since
+
+    def add_scalar(self, name: str, v) -> None:
+        self.means[name].append(v.detach() if torch.is_tensor(v) else v)
+
+    def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
+        """What any trainer logs: loss, clip figures, token entropy.
+
+        stats: the objective's per-token means over `batch.mask` (clip_frac, ratio_mean), kept
+        as token sums (mean × the step's token count) so that `finish` divides the sum over all
+        optimizer steps and ranks by their token count: the value one process computes."""
+        n = batch.mask.sum()
+        self.sums["n_tokens"].append(n)
+        self.sums["entropy_sum"].append((ent * batch.mask).sum())
+        self.add_scalar("loss", loss)
+        for k, v in stats.items():
+            self.sums[f"{TOKSUM}{k}"].append(v.detach().double() * n)
+
+    def add_advantages(self, batch: TokenBatch) -> None:
+        """Where the trained advantages sit: tokens with A ≠ 0, and |A| mass at branch tokens
+        (a token whose parent trie node branches: IBPO's comparisons live there)."""
+        A, m = batch.adv_tokens.detach().abs() * batch.mask, batch.mask
+        branch = branch_tokens(batch.tokens, batch.mask, batch.group)
+        self.sums["adv_nonzero"].append(((A > 0) & m).sum())
+        self.sums["adv_abs_sum"].append(A.double().sum())
+        self.sums["adv_abs_branch_sum"].append((A * branch).double().sum())
+
+    def record(self, r) -> None:
+        """A `gradlab.probes.StepReadings` of one optimizer step: sums add, maxima max."""
+        for k, v in r.sums.items():
+            self.sums[k].append(v)
+        for k, v in r.maxes.items():
+            self.maxes[k].append(v)
+        for k, v in r.means.items():
+            self.add_scalar(k, v)
+
+    def add_tax(self, d: dict) -> None:
+        """`learning_tax` output: overall figures and tax_share/<layer group>."""
+        for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
+            self.add_scalar(k, d[k])
+        for group, g in d["groups"].items():
+            self.add_scalar(f"tax_share/{group}", g["tax_share"])
+
+    def add_drift(self, d: dict) -> None:
+        """`node_drift` output: sums and counts, turned into means over the rollout step."""
+        for k, v in d.items():
+            if k.endswith("_sum") or k.endswith("_count"):
+                self.sums[f"drift_{k}"].append(v)
+
+    def finish(self) -> dict:
+        """One host sync: reduce everything to floats, then combine data-parallel ranks:
+        sums and counts add, maxima max, then ratios of the totals (`_ratios`). Per-step
+        scalars (grad_norm, tax_*: the same on every rank) pool over all ranks' optimizer
+        steps; the loss adds (each rank's part of a global minibatch loss is a share of it)."""
+        def f64(v):
+            return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
+
+        sums = {k: f64(v).sum() for k, v in self.sums.items()}
+        means = {k: torch.stack([f64(v).sum(), torch.tensor(float(len(v)))])
+                 for k, v in self.means.items()}
+        maxes = {k: f64(v).max() for k, v in self.maxes.items()}
+        flat = torch.stack(list(sums.values()) + [x for v in means.values() for x in v] +
+                           list(maxes.values())).tolist() if (sums or means or maxes) else []
+        it = iter(flat)
+        local = ({k: next(it) for k in sums}, {k: (next(it), next(it)) for k in means},
+                 {k: next(it) for k in maxes})
+        out: dict = {}
+        parts = self.D.gather(local)
+        for s_, _, _ in parts:
+            for k, v in s_.items():
+                out[k] = out.get(k, 0.0) + v
+        pooled: dict = {}
+        for _, m_, _ in parts:
+            for k, (tot, n) in m_.items():
+                a, b = pooled.get(k, (0.0, 0.0))
+                pooled[k] = (a + (tot / n if k == "loss" else tot), b + (1 if k == "loss" else n))
+        out.update({k: (a if k == "loss" else a / b) for k, (a, b) in pooled.items()})
+        for _, _, x_ in parts:
+            for k, v in x_.items():
+                old = out.get(k, -float("inf"))
+                out[k] = math.nan if math.isnan(old) or math.isnan(v) else max(old, v)
+        return _ratios(out)
+
+    def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
+        """Reward, accuracy, length, solution forms and split groups of the rollout, as sums
+        and counts (reduced over ranks in `finish`)."""
+        # reward, accuracy, forms and length describe the policy's own samples: repairs
+        # (`ro.repair_of` ≥ 0) are trained on but not counted here
+        own = list(range(len(ro.texts))) if ro.repair_of is None else \
+            (ro.repair_of < 0).nonzero().squeeze(-1).tolist()
+        correct = [task.is_correct(ro.problems[i], ro.texts[i]) for i in own]
+        forms = [task.solution_form(ro.problems[i], ro.texts[i]) for i in own]
+        step_of = torch.empty_like(ro.group)
+        for k, rows in enumerate(parts):
+            step_of[rows] = k
+        labels = torch.unique(ro.group)
+        spread = [torch.unique(step_of[ro.group == g]).numel() > 1 for g in labels]
+        zero_std = [bool((ro.rewards[ro.group == g] == ro.rewards[ro.group == g][0]).all())
+                    for g in labels]
+        for k, v in {"reward_sum": ro.rewards[own].sum(), "n_rows": len(correct),
+                     "correct": sum(correct), "form0": forms.count(0), "form1": forms.count(1),
+                     "length_sum": ro.response_mask[own].sum(), "n_groups": len(labels),
+                     "split_groups": sum(spread), "zero_std_groups": sum(zero_std),
+                     **layout_sums(ro)}.items():
+            self.sums[k].append(v)
+
+
+def _ratios(s: dict) -> dict:
+    """Turn accumulated sums into the reported ratios (0 where a denominator is 0; NaN where
+    either side is NaN: a metric of a non-finite W is NaN, never a reassuring 0)."""
+    out = dict(s)
+
+    def div(a: float, b: float) -> float:
+        if math.isnan(a) or math.isnan(b):
+            return math.nan
+        return a / b if b > 0 else 0.0
+
+    for key in list(s):
+        if key.endswith("residual_prefix") or key.endswith("residual_trie"):
+            pre, kind = key.rsplit("residual_", 1)
+            out[f"{pre}rho_{kind}"] = div(s[key], s[f"{pre}scale_{kind}"])
+    for key in list(s):
+        if key.startswith("drift_") and key.endswith("_sum"):
+            stem = key[: -len("_sum")]
+            where, _ = stem.rsplit("_", 1)  # drift_node_kl → its own count, else drift_node's
+            count = s.get(f"{stem}_count", s.get(f"{where}_count", 0))
+            out[f"{stem}_mean"] = div(s[key], count)
+    if "n_rows" in s:
+        r = s["n_rows"]
+        out.update({"reward": div(s["reward_sum"], r), "accuracy": div(s["correct"], r),
+                    "length": div(s["length_sum"], r), "form0_share": div(s["form0"], r),
+                    "form1_share": div(s["form1"], r),
+                    "split_share": div(s["split_groups"], s["n_groups"]),
+                    "zero_std_share": div(s["zero_std_groups"], s["n_groups"])})
+        for k in ("reward_sum", "correct", "length_sum", "form0", "form1", "split_groups",
+                  "zero_std_groups"):
+            out.pop(k)
+    if "generated_tokens" in s:
+        out.update(_layout_ratios(s, out, div))
+    n = s.get("n_tokens", 0)
+    for key in [k for k in s if k.startswith(TOKSUM)]:  # clip_frac, ratio_mean: token means
+        out[key[len(TOKSUM):]] = div(out.pop(key), n)
+    # attribution shares: Σ(res − res_off) / Σ res over the step's nodes (a residual-weighted
+    # mean, so on-policy steps whose residual is float noise weigh ~0)
+    for key in [k for k in s if k.startswith("attr_") and k.endswith("_sum")]:
+        out[key[: -len("_sum")]] = div(out.pop(key), s["attr_residual"])
+    if "adv_nonzero" in s:
+        out["adv_nonzero_frac"] = div(out.pop("adv_nonzero"), n)
+        out["adv_branch_share"] = div(out.pop("adv_abs_branch_sum"), out.pop("adv_abs_sum"))
+    for kind in ("prefix", "trie"):
+        if f"n_shared_{kind}" in s:
+            out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)
+    if "entropy_sum" in s:
+        out["entropy"] = div(out.pop("entropy_sum"), n)
+    if "entropy_shared_sum" in s:
+        out["entropy_shared"] = div(out.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
+    return out
+
+
+def _layout_ratios(s: dict, out: dict, div) -> dict:
+    """Per-group and per-token figures of the rollout layout (`gradlab.loop.rollouts.layouts`)."""
+    g = s.get("n_groups", 0)
+    out.pop("branch_depth_sum")
+    return {"distinct_per_group": div(s["distinct_responses"], g),
+            "duplicates_per_group": div(s["duplicate_responses"], g),
+            "branch_points_per_group": div(s["branch_points"], g),
+            "informative_per_group": div(s["informative_points"], g),
+            "informative_per_1k": div(1000 * s["informative_points"], s["generated_tokens"]),
+            "branch_depth": div(s["branch_depth_sum"], s["branch_points"]),
+            "repair_success": div(s["repairs_kept"], s["repairs_tried"]),
+            "edited_per_repair": div(s["edited_tokens"], s["repairs_kept"])}
