@@ -197,11 +197,20 @@ MEASURED = {"rho_prefix": "mean over rollout steps of ρ at full-group nodes",
             "tokens": "rollout tokens consumed by the end (compute)"}
 
 
-def heldout(tidy: pd.DataFrame, run: Path, objective: str, eval_n: int) -> tuple[float, str]:
-    """(accuracy, source) of an objective's final policy: the store's last `eval_accuracy`
-    (held-out set disjoint from training prompts) when the run has one, else `final_accuracy`
-    (eval_n fresh problems at temperature 1, same problems and sampling seed for every
-    objective; fresh draws, not disjoint from the training pool)."""
+def heldout(tidy: pd.DataFrame, run: Path, objective: str, eval_n: int,
+            exact_n: int | None = None) -> tuple[float, str]:
+    """(accuracy, source) of an objective's final policy, the least noisy score the run allows:
+    `exact_split` — the exact expected accuracy over the task's whole held-out split (its first
+    `exact_n` problems when given) where the verifier accepts a known list of strings (the
+    built-in tasks; no evaluation noise, figures/noise_budget.md); else `eval_accuracy` — the
+    store's last sampled held-out score (disjoint from training prompts); else `fresh{eval_n}`
+    (eval_n fresh problems at temperature 1, the same for every objective, not disjoint)."""
+    from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_split
+
+    model, tok, task, _ = load_run_policy(run, objective)
+    if getattr(task, "exact_answers", False):
+        split = heldout_split(task)[:exact_n]
+        return float(expected_accuracy(model, tok, task, split).mean()), "exact_split"
     d = tidy[(tidy["objective"] == objective) & (tidy["metric"] == "eval_accuracy")]
     d = d[d["run"] == run.name] if "run" in d else d
     if len(d):
@@ -209,8 +218,10 @@ def heldout(tidy: pd.DataFrame, run: Path, objective: str, eval_n: int) -> tuple
     return final_accuracy(run, objective, n=eval_n), f"fresh{eval_n}"
 
 
-def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5) -> pd.DataFrame:
-    """One row per (seed, objective) of the runs root/seed{k}: heldout_acc (+ its source),
+def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5,
+             exact_n: int | None = None) -> pd.DataFrame:
+    """One row per (seed, objective) of the runs root/seed{k}: heldout_acc (+ its source, see
+    `heldout`; the loop's last sampled held-out score in heldout_sampled),
     train_acc_last5 (mean training accuracy of the last `last` rollout steps), the MEASURED
     columns and opt_steps (despite the name: rollout steps taken; each is `minibatches` optimizer
     steps). Accuracies in 0..1."""
@@ -225,8 +236,10 @@ def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5) -> pd.DataFra
             m = {x: o[o["metric"] == x].sort_values("step") for x in
                  ("accuracy", "rho_prefix", "rho_trie", "tax_share", "probe_kl")}
             end = o["step"].max()
-            acc, src = heldout(t, root / f"seed{k}", n, eval_n)
+            acc, src = heldout(t, root / f"seed{k}", n, eval_n, exact_n)
+            ev = o[o["metric"] == "eval_accuracy"].sort_values("step")["value"]
             rows.append({"seed": k, "objective": n, "heldout_acc": acc, "heldout_source": src,
+                         "heldout_sampled": float(ev.iloc[-1]) if len(ev) else float("nan"),
                          "train_acc_last5": m["accuracy"][m["accuracy"]["step"] > end - last]["value"].mean(),
                          "rho_prefix": m["rho_prefix"]["value"].mean(),
                          "rho_trie": m["rho_trie"]["value"].mean(),

@@ -58,6 +58,14 @@ def test_figure3_quick(tmp_path):
     meta = json.loads((tmp_path / "figure3.json").read_text())
     assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
     assert meta["provenance"]["command"].startswith("python analyses/figure3.py --quick")
+    # held-out: the exact expected accuracy of the final checkpoint over the split's first 32
+    from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_split
+
+    row = next(r for r in meta["per_seed"] if r["seed"] == 1 and r["objective"] == "dfpo-orth")
+    model, tok, task, _ = common.load_run_policy(runs / "seed1", "dfpo-orth")
+    assert row["heldout_source"] == "exact_split" and 0 <= row["heldout_sampled"] <= 1
+    assert row["heldout_acc"] == pytest.approx(
+        float(expected_accuracy(model, tok, task, heldout_split(task)[:32]).mean()), abs=1e-12)
     # the paired curve is objective − GSPO at equal rollout steps, from the same table
     tidy0 = pd.read_csv(tmp_path / "figure3.csv")
     diff = figure3.paired_curves(tidy0, common.QUICK["minibatches"])
