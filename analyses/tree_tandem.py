@@ -297,7 +297,8 @@ def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, prov: d
     md = ["# Objectives × rollout layouts", "",
           f"{stamp(prov)}; seeds per task {n_seeds}; {seconds:.0f} s; {source}. Differences in "
           "points, paired by seed: mean [95 % t interval], p (exact sign-flip); Holm over each "
-          f"compute rule's primary family ({len(primary)} comparisons).", "",
+          f"compute rule's primary family ({len(primary)} primary comparisons, "
+          f"{primary.groupby('matched').size().max()} per rule).", "",
           "## Primary comparisons (declared before the runs)", "", comparisons.markdown(primary), "",
           "## Per objective", "", table(seeds_df, rows).to_markdown(index=False), "",
           "## Exploratory comparisons", "", comparisons.markdown(rows[~rows["primary"]]), ""]
