@@ -192,11 +192,20 @@ def test_ablations_reanalyse_reproduces_the_published_tables(tmp_path, task, sub
     assert "runs made by" in md and made in md and "before runs recorded their code" in md
     assert meta["provenance"]["command"].startswith("python analyses/ablations.py --reanalyse")
     _same_rows(d, exp)
-    # the Figure 3 tandem's rows are the Figure 3 experiment's per-seed values
+    # the Figure 3 tandem's rows are the Figure 3 experiment's per-seed values while both come
+    # from the same runs (rollout tokens and training accuracy per seed and objective identify
+    # them); once Figure 3 is re-trained, the ablations keep the earlier tandem and
+    # figures/README.md says so
     s = pd.read_csv(d / f"{exp}_seeds.csv")
     f3 = pd.read_csv(ROOT / "figures" / f"{exp.replace('ablations', 'figure3')}_seeds.csv")
     both = s[s["table"] == "table2"].merge(f3, on=["objective", "seed"], suffixes=("", "_f3"))
-    assert len(both) == len(f3) and (both["heldout_acc"] == both["heldout_acc_f3"]).all()
+    assert len(both) == len(f3)
+    if ((both["tokens"] == both["tokens_f3"])
+            & (both["train_acc_last5"] == both["train_acc_last5_f3"])).all():
+        assert (both["heldout_acc"] == both["heldout_acc_f3"]).all()
+    else:
+        readme = (ROOT / "figures" / "README.md").read_text()
+        assert f"Table 2's rows from the Figure 3 tandem ({task})" in readme
 
 
 def test_noise_floor_reanalyse_reproduces_the_published_table(tmp_path):
