@@ -197,25 +197,25 @@ MEASURED = {"rho_prefix": "mean over rollout steps of ρ at full-group nodes",
             "tokens": "rollout tokens consumed by the end (compute)"}
 
 
-def heldout(tidy: pd.DataFrame, run: Path, objective: str, eval_n: int,
-            exact_n: int | None = None) -> tuple[float, str]:
+def heldout(run: Path, objective: str, sampled: pd.Series, eval_n: int,
+            exact_n: int | None = None, seed: int = 777_000) -> tuple[float, str]:
     """(accuracy, source) of an objective's final policy, the least noisy score the run allows:
     `exact_split` — the exact expected accuracy over the task's whole held-out split (its first
     `exact_n` problems when given) where the verifier accepts a known list of strings (the
     built-in tasks; no evaluation noise, figures/noise_budget.md); else `eval_accuracy` — the
-    store's last sampled held-out score (disjoint from training prompts); else `fresh{eval_n}`
-    (eval_n fresh problems at temperature 1, the same for every objective, not disjoint)."""
+    store's last sampled held-out score (`sampled`: the run's eval_accuracy by step; disjoint
+    from training prompts); else `fresh{eval_n}` (eval_n fresh problems at temperature 1, the
+    same for every objective, not disjoint; as `final_accuracy`). The policy is loaded once."""
     from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_split
+    from gradlab.loop.setup.policy import evaluate
 
     model, tok, task, _ = load_run_policy(run, objective)
     if getattr(task, "exact_answers", False):
         split = heldout_split(task)[:exact_n]
         return float(expected_accuracy(model, tok, task, split).mean()), "exact_split"
-    d = tidy[(tidy["objective"] == objective) & (tidy["metric"] == "eval_accuracy")]
-    d = d[d["run"] == run.name] if "run" in d else d
-    if len(d):
-        return float(d.sort_values("step")["value"].iloc[-1]), "eval_accuracy"
-    return final_accuracy(run, objective, n=eval_n), f"fresh{eval_n}"
+    if len(sampled):
+        return float(sampled.iloc[-1]), "eval_accuracy"
+    return evaluate(model, tok, task, n=eval_n, seed=seed)["accuracy"], f"fresh{eval_n}"
 
 
 def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5,
@@ -234,10 +234,10 @@ def per_seed(root: Path, seeds, names, eval_n: int, last: int = 5,
             if o.empty:
                 raise ValueError(f"{root}/seed{k}: no rows for objective {n!r}")
             m = {x: o[o["metric"] == x].sort_values("step") for x in
-                 ("accuracy", "rho_prefix", "rho_trie", "tax_share", "probe_kl")}
+                 ("accuracy", "rho_prefix", "rho_trie", "tax_share", "probe_kl", "eval_accuracy")}
             end = o["step"].max()
-            acc, src = heldout(t, root / f"seed{k}", n, eval_n, exact_n)
-            ev = o[o["metric"] == "eval_accuracy"].sort_values("step")["value"]
+            ev = m["eval_accuracy"]["value"]
+            acc, src = heldout(root / f"seed{k}", n, ev, eval_n, exact_n)
             rows.append({"seed": k, "objective": n, "heldout_acc": acc, "heldout_source": src,
                          "heldout_sampled": float(ev.iloc[-1]) if len(ev) else float("nan"),
                          "train_acc_last5": m["accuracy"][m["accuracy"]["step"] > end - last]["value"].mean(),
