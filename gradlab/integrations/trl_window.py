@@ -4,6 +4,7 @@ trainer; gradlab.integrations.trl wires them into GRPOTrainer)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 from ..core.batch import TokenBatch, group_index
 from ..core.cancellation import cancellation
 from ..core.nodes import SharedNodes, shared_nodes
+from ..probes.residuals import defined_ratio
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
 
@@ -74,12 +76,13 @@ def grouped_shuffle(seq_dict: dict) -> dict:
 
 
 def split_share(group: Tensor, step: Tensor) -> float:
-    """Share of groups (group, step: (B,) long) whose rows fall into more than one step."""
+    """Share of groups (group, step: (B,) long) whose rows fall into more than one step
+    (NaN with no group: undefined)."""
     gid, sizes = group_index(group)
     big = torch.iinfo(torch.long).max
     lo = torch.full_like(sizes, big).scatter_reduce(0, gid, step, reduce="amin")
     hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, step, reduce="amax")
-    return float((hi != lo).float().mean()) if sizes.numel() else 0.0
+    return float((hi != lo).float().mean()) if sizes.numel() else math.nan
 
 
 def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, float]:
@@ -87,50 +90,58 @@ def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, 
 
     W (B, T), step (B,) long. c_{n,k} = Σ of W over the members of node n that sit in step k:
     what one optimizer step can cancel. Equals the plain residual when no group is split.
+    The ratio Σ|c_{n,k}| / Σ|W| is NaN where it is undefined: no full-group token, or W ≡ 0
+    at the nodes (every group tied); the residual is then 0.
     """
     sh = sn.node >= 0
     if not bool(sh.any()):
-        return 0.0, 0.0
+        return 0.0, math.nan
     k = step - step.min()
     n_k = int(k.max()) + 1
     key = sn.node[sh] * n_k + k.unsqueeze(-1).expand_as(sn.node)[sh]
     Wd = W.detach().double()
     c = torch.zeros(sn.n * n_k, dtype=Wd.dtype).index_add_(0, key, Wd[sh])
     res, mass = float(c.abs().sum()), float(Wd[sh].abs().sum())
-    return res, (res / mass if mass > 0 else 0.0)
+    return res, (res / mass if mass > 0 else math.nan)
 
 
 def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
     """Mean Δl = l_used − l_old (nats) at full-group node tokens and at divergent tokens by the
     sign of A: how far the earlier optimizer steps of the window moved the policy since
-    sampling, free from TRL's own log-probs (KL would need full distributions: not kept)."""
+    sampling, free from TRL's own log-probs (KL would need full distributions: not kept).
+    A mean over no token (no full-group token, no row of that sign) is NaN: undefined."""
     dl = (batch.logps - batch.old_logps).double()
     A = batch.adv_tokens
     div = batch.mask & (sn.node < 0)
     out = {}
     for name, keep in (("node", sn.node >= 0), ("div_pos", div & (A > 0)), ("div_neg", div & (A < 0))):
         n = int(keep.sum())
-        out[f"drift_{name}_dlogp"] = float(dl[keep].sum()) / n if n else 0.0
+        out[f"drift_{name}_dlogp"] = float(dl[keep].sum()) / n if n else math.nan
     return out
 
 
 def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
                    W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
-    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`."""
+    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`.
+
+    Every ρ is NaN where it is undefined (`defined_ratio`): nodes_prefix = 0 (no full-group
+    token) or mass_prefix = 0 (W ≡ 0 there: every group tied); nodes_trie and mass_trie say
+    the same of rho_trie. Counts and sums are numbers."""
     sn_all = shared_nodes(batch, "trie" if trie else "prefix")
     sn = sn_all.full_group()
     c = cancellation(W, batch, sn=sn)
     res_step, rho_step = stepwise_residual(W, sn, opt)
-    out = {"rho_prefix": c.ratio, "rho_prefix_step": rho_step, "residual_prefix": c.residual,
+    out = {"rho_prefix": defined_ratio(c), "rho_prefix_step": rho_step, "residual_prefix": c.residual,
            "residual_prefix_step": res_step, "mass_prefix": c.mass,
            "shared_fraction": c.shared_fraction, "nodes_prefix": float(c.n_nodes),
            "split_groups": split_share(batch.group, opt),
            "split_groups_micro": split_share(batch.group, micro),
            "groups": float(torch.unique(batch.group).numel())}
     if trie:
-        out["rho_trie"] = cancellation(W, batch, sn=sn_all).ratio
+        ct = cancellation(W, batch, sn=sn_all)
+        out.update(rho_trie=defined_ratio(ct), mass_trie=ct.mass, nodes_trie=float(ct.n_nodes))
     if W_base is not None:
-        out["rho_prefix_base"] = cancellation(W_base, batch, sn=sn).ratio
+        out["rho_prefix_base"] = defined_ratio(cancellation(W_base, batch, sn=sn))
         out["rho_prefix_step_base"] = stepwise_residual(W_base, sn, opt)[1]
     if not torch.equal(batch.logps, batch.old_logps):  # off-policy rows exist
         out.update(drift_figures(batch, sn))

@@ -42,6 +42,7 @@ whole in the loss call (`config.rollout_n` rows): else a ValueError names the gr
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -56,6 +57,7 @@ from ..core.batch import TokenBatch, group_index
 from ..core.cancellation import cancellation
 from ..core.dfpo import SCOPES, TRANSFORMS, node_map, transform_weights
 from ..core.nodes import NODE_KINDS, shared_nodes
+from ..probes.residuals import defined_ratio
 
 MEASURE, DFPO = "gradlab_measure", "gradlab_dfpo"
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -137,11 +139,12 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 
 
 def split_share(group: Tensor, part: Tensor) -> float:
-    """Share of groups (group, part: (B,) long) whose rows fall into more than one part."""
+    """Share of groups (group, part: (B,) long) whose rows fall into more than one part
+    (NaN with no group: undefined)."""
     gid, sizes = group_index(group)
     lo = torch.full_like(sizes, torch.iinfo(torch.long).max).scatter_reduce(0, gid, part, "amin")
     hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, part, "amax")
-    return float((hi != lo).float().mean()) if sizes.numel() else 0.0
+    return float((hi != lo).float().mean()) if sizes.numel() else math.nan
 
 
 def row_advantages(advantages: Tensor, mask: Tensor, strict: bool, who: str) -> Tensor:
@@ -236,26 +239,27 @@ def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, c
 
 def _measure(W: Tensor, batch: TokenBatch, config, base: str, agg: str,
              W_base: Tensor | None) -> dict[str, float]:
-    """Micro-batch figures (W̃ and W = W_base under DFPO)."""
+    """Micro-batch figures (W̃ and W = W_base under DFPO). Each ρ is NaN where it is
+    undefined (`defined_ratio`: no node of its kind, or W ≡ 0 there: every group tied)."""
     trie = shared_nodes(batch, "trie")
     full = trie.full_group()
     c = cancellation(W, batch, sn=full)
-    out = {"rho_full": c.ratio, "rho_trie": cancellation(W, batch, sn=trie).ratio,
+    out = {"rho_full": defined_ratio(c), "rho_trie": defined_ratio(cancellation(W, batch, sn=trie)),
            "shared_fraction": c.shared_fraction}
     G = config.get("rollout_n") if hasattr(config, "get") else None
     if isinstance(G, int) and G > 0:
         _, sizes = group_index(batch.group)
-        out["split_micro"] = float((sizes != G).float().mean()) if sizes.numel() else 0.0
+        out["split_micro"] = float((sizes != G).float().mean()) if sizes.numel() else math.nan
     ref = W if W_base is None else W_base
     obj = closed_form(base, agg, config, batch.T)
     if obj is not None:
         Wc = obj.modulation(batch.replace(logps=batch.logps.to(torch.float64),
                                           old_logps=batch.old_logps.to(torch.float64),
                                           advantages=batch.advantages.to(torch.float64)))
-        scale = float(ref.abs().max()) or 1.0
+        scale = float(ref.abs().max()) or 1.0  # W ≡ 0: the absolute deviation (0 = agree)
         out["W_dev"] = float((ref.double() - Wc).abs().max()) / scale  # relative to max |W|
     if W_base is not None:
-        out["rho_full_base"] = cancellation(W_base, batch, sn=full).ratio
+        out["rho_full_base"] = defined_ratio(cancellation(W_base, batch, sn=full))
     return out
 
 
@@ -282,8 +286,8 @@ def _record(batch: TokenBatch, W: Tensor, last: bool) -> dict[str, float]:
                     advantages=torch.cat([p["batch"].advantages.double() for p in parts]),
                     group=group, validate=False)
     trie = shared_nodes(mb, "trie")
-    return {"mini/rho_full": cancellation(W, mb, sn=trie.full_group()).ratio,
-            "mini/rho_trie": cancellation(W, mb, sn=trie).ratio,
+    return {"mini/rho_full": defined_ratio(cancellation(W, mb, sn=trie.full_group())),
+            "mini/rho_trie": defined_ratio(cancellation(W, mb, sn=trie)),
             "mini/split": split_share(group, micro), "mini/micro_batches": float(len(parts))}
 
 
@@ -293,6 +297,14 @@ def _modulation(loss: Tensor, log_prob: Tensor) -> Tensor:
         raise ValueError("gradlab verl: log_prob does not require grad (called under no_grad?)")
     (g,) = torch.autograd.grad(loss, log_prob, retain_graph=True, allow_unused=True)
     return torch.zeros_like(log_prob) if g is None else -g.detach()
+
+
+def _reported(ours: dict[str, float]) -> dict[str, float]:
+    """The `gradlab/*` figures handed to verl, without the undefined (NaN) ones: verl averages
+    each key over the micro-batches that report it (np.mean), so a micro-batch whose ρ is
+    undefined (every group tied, no full-group token) leaves it out of the mean instead of
+    pulling it to 0 or making it NaN; a step where no micro-batch defines it logs no value."""
+    return {f"gradlab/{k}": v for k, v in ours.items() if not math.isnan(v)}
 
 
 def _measure_fn(base: str):
@@ -310,7 +322,7 @@ def _measure_fn(base: str):
         batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config, False, name)
         ours = _measure(W, batch, config, base, loss_agg_mode, None)
         ours.update(_record(batch, W, mb.last))
-        return loss, {**metrics, **{f"gradlab/{k}": v for k, v in ours.items()}}
+        return loss, {**metrics, **_reported(ours)}
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"gradlab_measure_{base}"
     return loss_fn
@@ -350,7 +362,7 @@ def _dfpo_fn(base: str, transform: str):
         out = loss + extra - extra.detach()
         ours = _measure(W_t, batch, config, base, loss_agg_mode, W.double())
         ours.update(_record(batch, W_t, mb.last))
-        return out, {**metrics, **{f"gradlab/{k}": v for k, v in ours.items()}}
+        return out, {**metrics, **_reported(ours)}
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"gradlab_dfpo_{base}_{transform}"
     return loss_fn

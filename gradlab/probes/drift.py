@@ -32,9 +32,10 @@ def kl_rows(logp_ref: Tensor, logp_now: Tensor) -> Tensor:
 
 
 def _stats(prefix: str, dlogp: Tensor, kl: Tensor, keep: Tensor) -> dict[str, Tensor]:
-    """Mean and sum of dlogp and kl over `keep` (same shape, bool); means are 0 when empty."""
+    """Mean and sum of dlogp and kl over `keep` (same shape, bool); a mean over no position
+    is undefined: NaN (the sums are 0 and the count 0)."""
     n = keep.sum()
-    den = n.clamp(min=1).to(dlogp.dtype)
+    den = torch.where(n > 0, n.to(dlogp.dtype), float("nan"))  # 0/NaN = NaN, no 0/0 warning
     s_d, s_k = (dlogp * keep).sum(), (kl * keep).sum()
     return {f"{prefix}_dlogp_mean": s_d / den, f"{prefix}_dlogp_sum": s_d,
             f"{prefix}_kl_mean": s_k / den, f"{prefix}_kl_sum": s_k, f"{prefix}_count": n}
@@ -51,8 +52,8 @@ def node_drift(logp_before: Tensor, logp_after: Tensor, batch: TokenBatch,
       node_kl_*    : KL(π_before(·|h*) ‖ π_after(·|h*))
     and the same at divergent positions (masked in, not in any node of `sn`), split by the
     row's advantage: div_pos_* (A > 0), div_neg_* (A < 0); rows with A = 0 are in neither.
-    Each prefix gets _mean, _sum (0-dim float tensors; a mean over no position is 0) and
-    _count (0-dim long).
+    Each prefix gets _mean, _sum (0-dim float tensors; a mean over no position is NaN:
+    undefined) and _count (0-dim long).
     """
     B, T = batch.tokens.shape
     if logp_before.shape != logp_after.shape or tuple(logp_before.shape[:2]) != (B, T):

@@ -9,6 +9,7 @@ host here: sums stay tensors on the device until the metrics object reduces them
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,13 @@ def residual_sums(W: Tensor, batch: TokenBatch, sns: dict[str, SharedNodes],
     return out
 
 
+def defined_ratio(c) -> float:
+    """ρ of a `gradlab.core.cancellation.Cancellation`, or NaN where it is undefined: no node
+    of the kind (no shared token) or W ≡ 0 at its nodes (Σ scale = 0: every group tied), where
+    `Cancellation.ratio` reads 0. NaN, never 0: 0 means measured and cancelled."""
+    return c.ratio if float(c.coef.scale.sum()) > 0 else math.nan
+
+
 def measure_step(obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool = False,
                  others: list | tuple = ()) -> StepReadings:
     """Readings of the measured W (B, T) of one step of objective `obj` on `batch`.
@@ -60,7 +68,11 @@ def measure_step(obj, batch: TokenBatch, W: Tensor, ent: Tensor, heavy: bool = F
     r.maxes["w_max"] = W.abs().max()
     for name, o in others:
         r.sums.update(residual_sums(o.modulation(batch), o.prepare(batch), sns, f"cf/{name}/"))
-    if heavy:  # sums, so that steps and data-parallel ranks add: attr_m = Σ num / Σ residual
+    if heavy and not getattr(obj, "mechanisms", True):  # a user loss: nothing to switch off
+        nan = torch.tensor(float("nan"), dtype=torch.float64)  # attribution undefined: NaN
+        r.sums.update({"attr_residual": nan, **{f"attr_{m}_sum": nan
+                                                for m in ("coupling", "length", "clip")}})
+    elif heavy:  # sums, so that steps and data-parallel ranks add: attr_m = Σ num / Σ residual
         att = attribution_sums(obj, batch, "prefix")
         r.sums["attr_residual"] = torch.tensor(att.pop("residual"), dtype=torch.float64)
         r.sums.update({f"attr_{m}_sum": torch.tensor(v, dtype=torch.float64)

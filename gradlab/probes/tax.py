@@ -116,16 +116,18 @@ def residual_grad_outputs(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> Tens
 
 
 def _norms(tax: dict[str, Tensor], total: dict[str, Tensor], names) -> dict[str, Tensor]:
-    """0-dim tensors tax_norm, total_norm, tax_share, tax_cos over the parameters `names`."""
+    """0-dim tensors tax_norm, total_norm, tax_share, tax_cos over the parameters `names`.
+    Undefined is NaN, never 0: tax_share when g_total = 0, tax_cos when g_tax or g_total = 0."""
     ref = next(iter(tax.values()))
     z = ref.new_zeros(())
     tt = sum(((tax[n] * tax[n]).sum() for n in names), z)
     gg = sum(((total[n] * total[n]).sum() for n in names), z)
     tg = sum(((tax[n] * total[n]).sum() for n in names), z)
     tn, gn = tt.sqrt(), gg.sqrt()
-    share = torch.where(gn > 0, tn / torch.where(gn > 0, gn, 1), 0)  # 0 when g_total = 0
+    nan = float("nan")
+    share = torch.where(gn > 0, tn / torch.where(gn > 0, gn, 1), nan)  # g_total = 0: undefined
     den = tn * gn
-    cos = torch.where(den > 0, tg / torch.where(den > 0, den, 1), 0)
+    cos = torch.where(den > 0, tg / torch.where(den > 0, den, 1), nan)
     bad = ~torch.isfinite(tt + gg + tg)  # NaN in → NaN out: never a reassuring 0
     share, cos = share.masked_fill(bad, float("nan")), cos.masked_fill(bad, float("nan"))
     return {"tax_norm": tn, "total_norm": gn, "tax_share": share, "tax_cos": cos}
@@ -151,8 +153,8 @@ def learning_tax(
     groups: {name: group}; default `group_of(name)`. sn: precomputed nodes of kind `nodes`.
 
     Returns (all figures are 0-dim tensors on the device — no host sync; `.item()` them once):
-      tax_norm ‖g_tax‖, total_norm ‖g_total‖, tax_share ‖g_tax‖/‖g_total‖ (0 if g_total = 0),
-      tax_cos cos(g_tax, g_total) (0 if either is 0), n_nodes (int),
+      tax_norm ‖g_tax‖, total_norm ‖g_total‖, tax_share ‖g_tax‖/‖g_total‖ (NaN if g_total = 0:
+      undefined), tax_cos cos(g_tax, g_total) (NaN if either is 0), n_nodes (int),
       groups {group: {the same four, n_params}}, param_groups {name: group},
       g_tax {name: tensor like the param, loss-gradient sign}.
     """

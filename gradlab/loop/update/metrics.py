@@ -12,6 +12,11 @@ full-group nodes (a residual-weighted mean: on-policy steps whose residual is fl
 ~0), attr_residual = Σ res. One exception, by definition: the "length" counterfactual of
 attr_length sets T_i to the mean length of the rows the objective sees — under DDP a rank's own
 rows — so attr_length is per rank there (`gradlab.core.losses._lengths`).
+
+Undefined is not zero: a ratio whose denominator is 0 is NaN in the store (printed "—" with its
+reason by `gradlab.viz.summary`), never 0, which means "measured and cancelled". The sums and
+counts it is made of stay in the record (n_shared_prefix, scale_prefix, n_groups, ...), so a
+reader can tell which case it was. Counts and sums are numbers, never NaN.
 """
 
 from __future__ import annotations
@@ -39,14 +44,26 @@ class StepMetrics:
         self.D = D if D is not None else Dist()
         self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
         self.means: dict[str, list] = defaultdict(list)  # averaged at finish
+        # means over the steps where the value is defined: name → (B,) flags beside `means`
+        self.defined: dict[str, list] = defaultdict(list)
         self.maxes: dict[str, list[Tensor]] = defaultdict(list)
         self.times: dict[str, float] = defaultdict(float)
 
     def time(self, what: str, since: float) -> None:
         self.times[f"time_{what}"] += time.perf_counter() - since
 
-    def add_scalar(self, name: str, v) -> None:
-        self.means[name].append(v.detach() if torch.is_tensor(v) else v)
+    def add_scalar(self, name: str, v, defined=None) -> None:
+        """A per-step value, averaged over the rollout step's optimizer steps in `finish`.
+
+        defined: a 0-dim bool (tensor) when v can be undefined (a share whose denominator is
+        0): the mean then runs over the steps where it is defined only, and is NaN when none
+        is. A NaN of a non-finite input keeps defined=True, so it stays NaN in the mean."""
+        v = v.detach() if torch.is_tensor(v) else v
+        if defined is not None:
+            d = torch.as_tensor(defined)
+            v = torch.where(d, torch.as_tensor(v), 0)  # an undefined step adds nothing
+            self.defined[name].append(d)
+        self.means[name].append(v)
 
     def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
         """What any trainer logs: loss, clip figures, token entropy.
@@ -80,11 +97,17 @@ class StepMetrics:
             self.add_scalar(k, v)
 
     def add_tax(self, d: dict) -> None:
-        """`learning_tax` output: overall figures and tax_share/<layer group>."""
-        for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
+        """`learning_tax` output: overall figures and tax_share/<layer group>.
+
+        tax_share (‖g_tax‖ / ‖g‖) is undefined on a step with g = 0 and tax_cos on a step
+        with g_tax = 0 or g = 0: each is averaged over the steps where it is defined (NaN
+        when there is none); the norms are means over every step."""
+        for k in ("tax_norm", "total_norm"):
             self.add_scalar(k, d[k])
+        self.add_scalar("tax_share", d["tax_share"], d["total_norm"] != 0)
+        self.add_scalar("tax_cos", d["tax_cos"], d["tax_norm"] * d["total_norm"] != 0)
         for group, g in d["groups"].items():
-            self.add_scalar(f"tax_share/{group}", g["tax_share"])
+            self.add_scalar(f"tax_share/{group}", g["tax_share"], g["total_norm"] != 0)
 
     def add_drift(self, d: dict) -> None:
         """`node_drift` output: sums and counts, turned into means over the rollout step."""
@@ -101,7 +124,8 @@ class StepMetrics:
             return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
 
         sums = {k: f64(v).sum() for k, v in self.sums.items()}
-        means = {k: torch.stack([f64(v).sum(), torch.tensor(float(len(v)))])
+        means = {k: torch.stack([f64(v).sum(), f64(self.defined[k]).sum() if k in self.defined
+                                 else torch.tensor(float(len(v)))])
                  for k, v in self.means.items()}
         maxes = {k: f64(v).max() for k, v in self.maxes.items()}
         flat = torch.stack(list(sums.values()) + [x for v in means.values() for x in v] +
@@ -119,7 +143,9 @@ class StepMetrics:
             for k, (tot, n) in m_.items():
                 a, b = pooled.get(k, (0.0, 0.0))
                 pooled[k] = (a + (tot / n if k == "loss" else tot), b + (1 if k == "loss" else n))
-        out.update({k: (a if k == "loss" else a / b) for k, (a, b) in pooled.items()})
+        # b = 0: no step where the value is defined (`add_scalar`), so the mean is undefined
+        out.update({k: (a if k == "loss" else a / b if b else math.nan)
+                    for k, (a, b) in pooled.items()})
         for _, _, x_ in parts:
             for k, v in x_.items():
                 old = out.get(k, -float("inf"))
@@ -150,15 +176,28 @@ class StepMetrics:
             self.sums[k].append(v)
 
 
-def _ratios(s: dict) -> dict:
-    """Turn accumulated sums into the reported ratios (0 where a denominator is 0; NaN where
-    either side is NaN: a metric of a non-finite W is NaN, never a reassuring 0)."""
-    out = dict(s)
+def div(a: float, b: float) -> float:
+    """a / b, or NaN where it is undefined: b = 0 (nothing to divide by) or either side NaN
+    (a metric of a non-finite W). Never 0 for "undefined": 0 means measured and cancelled."""
+    if math.isnan(a) or math.isnan(b) or b == 0:
+        return math.nan
+    return a / b
 
-    def div(a: float, b: float) -> float:
-        if math.isnan(a) or math.isnan(b):
-            return math.nan
-        return a / b if b > 0 else 0.0
+
+def _ratios(s: dict) -> dict:
+    """Turn accumulated sums into the reported ratios; each is NaN where its denominator is 0:
+
+    rho_<kind> = Σ residual / Σ scale: no node of the kind (n_shared_<kind> = 0: no full-group
+      token) or W ≡ 0 at its nodes (every group tied: no gradient there);
+    drift_*_mean: no position of the kind (its count is 0);
+    reward, accuracy, length, form*_share: no row; split_share, zero_std_share, *_per_group:
+      no group; clip_frac, ratio_mean, adv_nonzero_frac, shared_frac_*, entropy: no token;
+      entropy_shared: no full-group token; adv_branch_share: every advantage 0;
+    attr_<mechanism>: the residual Σ|d| is 0 (nothing to attribute);
+    `_layout_ratios`: per generated token, per branch point, per repair tried / kept.
+    The counts and sums they are made of stay in the record as numbers.
+    """
+    out = dict(s)
 
     for key in list(s):
         if key.endswith("residual_prefix") or key.endswith("residual_trie"):
@@ -203,7 +242,9 @@ def _ratios(s: dict) -> dict:
 
 
 def _layout_ratios(s: dict, out: dict, div) -> dict:
-    """Per-group and per-token figures of the rollout layout (`gradlab.loop.rollouts.layouts`)."""
+    """Per-group and per-token figures of the rollout layout (`gradlab.loop.rollouts.layouts`);
+    NaN where the denominator is 0 (no group, no generated token, no branch point, no repair
+    tried or kept: e.g. edited_per_repair of a run whose repairs all failed)."""
     g = s.get("n_groups", 0)
     out.pop("branch_depth_sum")
     return {"distinct_per_group": div(s["distinct_responses"], g),
