@@ -38,7 +38,9 @@ from .loop.runs.resume import given_options, with_stored_config
 
 HELP = {
     "out": "run folder", "objectives": "comma-separated objective names, each optionally with parameters: "
-                  "'gspo,dfpo-orth[nodes=trie],gspo[eps=1e9]' (labelled by the whole string)",
+                  "'gspo,dfpo-orth[nodes=trie],gspo[eps=1e9]' (labelled by the whole string), "
+                  "and your own losses, path/file.py:fn or module:fn, labelled by fn or "
+                  "[name=label] (docs/guides/loss-contract.md)",
     "objective_params": 'JSON, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'',
     "mode": "tandem: each objective trains its own policy; same-batch: the first objective "
             "trains, the others' W and residuals are computed on its batches",
@@ -87,8 +89,8 @@ HELP = {
               "trains with plain trainer metrics only",
 }
 
-# run/tandem/reproduce defaults that differ from RunConfig's (threads: docs/performance.md)
-CLI_DEFAULTS = {"threads": 1}
+# run/tandem/reproduce defaults that differ from RunConfig's (none at present)
+CLI_DEFAULTS: dict = {}
 
 
 Command = tuple[str, Callable[[Parser], None], Callable[[argparse.Namespace], int]]
@@ -397,6 +399,7 @@ def _run(args: argparse.Namespace, program: bool) -> int:
     from .loop.faults.guard import EXIT_NONFINITE, NonFiniteError
     from .loop.faults.preempt import Preempted, StopSignals
     from .loop.runs.store import CorruptFileError
+    from .userloss import UserLossError
 
     # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
     StopSignals.ignore_after_stop = program
@@ -412,6 +415,9 @@ def _run(args: argparse.Namespace, program: bool) -> int:
     except NonFiniteError as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except UserLossError as e:  # --objectives file.py:fn raised or returned a bad value
+        print(f"gradlab {args.cmd}: error: {e} (exit code 3: a fault in the loss)", file=sys.stderr)
+        return 3
     except (FileNotFoundError, FileExistsError, CorruptFileError) as e:
         print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ so ∇θL = −Σ W_{i,t} ∇θ l_{i,t} with W := −∂L/∂l (docs/concepts/mo
 and the tests hold one against the autograd gradient of the other.
 
 Names: "grpo", "grpo-fix", "gspo", "gspo-token", "dfpo" (+ aliases "dfpo-min", "dfpo-orth"),
-"ibpo" (gradlab.core.ibpo: token advantages from counterfactual paths over a token-level base).
+"ibpo" (gradlab.core.ibpo: token advantages from counterfactual paths over a token-level base),
+and a user's own loss "path/file.py:fn" or "module:fn" (gradlab.core.userobjective).
 Advantages may be per sequence (B,) or per token (B, T) (docs/concepts/ibpo.md, "Token advantages in any
 objective"); (B,) advantages take the original code path bit for bit.
 `.modulation(batch, off=...)` can switch mechanisms off for attribution (docs/concepts/shared-nodes.md#attribution):
@@ -162,13 +163,22 @@ def get(name: str, **params) -> Objective:
 
     `name` may carry bracketed parameters, get("dfpo-orth[nodes=trie]") (gradlab.core.variants);
     they merge with `params` (a key given both ways is an error). Unknown names and parameters
-    raise ValueError naming them and listing the valid ones.
+    raise ValueError naming them and listing the valid ones. A user's loss,
+    get("my_losses.py:dr_grpo[name=drgrpo]") or get("pkg.losses:dr_grpo"), is loaded
+    (`gradlab.core.userobjective.UserObjective`); a missing file or function raises ValueError.
     """
     base, inline = variants.parse(name)
     both = sorted(set(inline) & set(params))
     if both:
         raise ValueError(f"objective {name!r}: parameter(s) {both} given in brackets and as keywords")
     params = {**inline, **params}
+    if variants.is_user(name):  # path/file.py:fn or module:fn (gradlab.core.userobjective)
+        from .userobjective import UserObjective
+
+        bad = sorted(set(params) - {"name"})
+        if bad:
+            raise ValueError(f"objective {name!r}: a user loss takes only name=, not {bad}")
+        return UserObjective(base, **params)
     reg = _registry()
     if base not in reg:
         raise ValueError(f"unknown objective {name!r}; valid: {', '.join(reg)}"

@@ -7,6 +7,11 @@ registry name and the bracketed pairs are its constructor parameters.
 
 Values are read with `ast.literal_eval` (numbers, tuples, strings, booleans, None), never
 `eval`; a bare word that is not a literal (``nodes=trie``) is taken as the string itself.
+
+A user's own loss is named ``path/file.py:fn`` or ``module:fn`` (`gradlab.userloss`), with one
+optional parameter, its label: ``my_losses.py:dr_grpo[name=drgrpo]``. The label (`label`)
+names the objective in the store, the checkpoints and the figures; without ``name=`` it is
+the function's name. config.json keeps the whole spec, so a resumed run loads it again.
 This module is pure string handling: it imports neither torch nor any objective.
 """
 
@@ -17,6 +22,7 @@ import re
 
 _BARE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.+\-]*$")  # a bare word taken as a string (ga+la)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_USER = re.compile(r"^[^\[\]:,]+:[A-Za-z_][A-Za-z0-9_]*$")  # path/file.py:fn or module:fn
 _OPEN, _CLOSE = "[({", "])}"
 
 
@@ -66,6 +72,8 @@ def parse(spec: str) -> tuple[str, dict]:
     and keys are valid is checked by `gradlab.core.objectives.get`.
     """
     spec = spec.strip()
+    if is_user(spec):
+        return _parse_user(spec)
     if "/" in spec:  # the label names a checkpoint folder
         raise ValueError(f"objective {spec!r}: '/' is not allowed in an objective label")
     if "[" not in spec:
@@ -86,3 +94,46 @@ def parse(spec: str) -> tuple[str, dict]:
             raise ValueError(f"objective {spec!r}: {key!r} given twice")
         params[key] = _value(spec, key, raw.strip())
     return name, params
+
+
+def is_user(spec: str) -> bool:
+    """Whether `spec` names a user's loss (``file.py:fn``, ``module:fn``, optionally
+    ``[name=label]``) rather than a registry objective."""
+    return ":" in spec.strip().partition("[")[0]
+
+
+def _parse_user(spec: str) -> tuple[str, dict]:
+    """``"my.py:fn[name=x]"`` → ``("my.py:fn", {"name": "x"})``; only `name` is a parameter."""
+    target, bracket, rest = spec.partition("[")
+    target = target.strip()
+    if not _USER.match(target):
+        raise ValueError(f"objective {spec!r}: a user loss is path/file.py:function or "
+                         "module:function")
+    if not bracket:
+        return target, {}
+    if not rest.endswith("]"):
+        raise ValueError(f"objective {spec!r}: expected {target}[name=label]")
+    try:
+        _, params = parse(f"user[{rest}")
+    except ValueError as e:  # the same errors as a registry spec's, naming this spec
+        raise ValueError(str(e).replace(repr(f"user[{rest}"), repr(spec))) from None
+    bad = sorted(set(params) - {"name"})
+    if bad:
+        raise ValueError(f"objective {spec!r}: a user loss takes only [name=label], not {bad}")
+    return target, params
+
+
+def label(spec: str) -> str:
+    """The name an objective goes by in the run store and figures: a registry spec itself
+    (``dfpo-orth[nodes=trie]``); a user loss's ``name=`` or else its function's name
+    (``examples/my_losses.py:dr_grpo`` → ``dr_grpo``). A label that cannot name a folder
+    raises ValueError naming the spec."""
+    spec = spec.strip()
+    if not is_user(spec):
+        return spec
+    target, params = _parse_user(spec)
+    name = str(params.get("name", target.rsplit(":", 1)[1]))
+    if not _NAME.match(name):
+        raise ValueError(f"objective {spec!r}: label {name!r} must be letters, digits, '-', '_' "
+                         "or '.'")
+    return name

@@ -76,7 +76,7 @@ class RunConfig:
     trace_groups: int = 2
     log: str = ""
     on_nonfinite: str = "stop"  # non-finite loss/gradient/parameter: stop (exit 3) or skip
-    threads: int = 0  # torch intra-op threads; 0 = torch's current count, resolved and recorded
+    threads: int = 1  # torch intra-op threads (as the CLI); 0 = torch's current count, resolved and recorded
 
     def __post_init__(self) -> None:
         if self.threads == 0:  # record the count actually used: results are bitwise per count
@@ -99,7 +99,7 @@ class RunConfig:
 
 
 def validate(c: RunConfig) -> None:
-    from ..core import objectives
+    from ..core import objectives, variants
     from ..core.batch import ADVANTAGE_SCALES
 
     if not c.objectives:
@@ -113,8 +113,11 @@ def validate(c: RunConfig) -> None:
             n.split("[")[0] == "ibpo" for n in c.objectives):
         raise ConfigError("--adv-scale batch with --micro-batch: IBPO scales its token "
                           "advantages by the std of the rows in each loss call; use group or none")
-    if len(set(c.objectives)) != len(c.objectives):
-        raise ConfigError(f"--objectives: duplicate names in {c.objectives}")
+    labels = [variants.label(n) for n in c.objectives]  # a user loss: its name= or function
+    if len(set(labels)) != len(labels):
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        raise ConfigError(f"--objectives: duplicate names {dup} in {c.objectives} (a user loss "
+                          "is named by its function; give another with [name=...])")
     checks = [
         ("G", c.G >= 2, "≥ 2 (a group needs two responses to compare)"),
         ("prompts", c.prompts >= 1, "≥ 1"),

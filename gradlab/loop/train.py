@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..core import objectives
+from ..core import objectives, variants
 from ..core.batch import advantages
 from ..provenance import record as record_provenance
+from ..userloss import UserLossError
 from .config import ConfigError, RunConfig
 from .faults.preempt import Preempted, StopSignals
 from .numerics.precision import amp_context
@@ -60,14 +61,15 @@ class Learner:
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:
-    """One learner per objective name; the last one trains `model` itself (no extra copy
+    """One learner per objective name, named by its label (`gradlab.core.variants.label`: a
+    user loss's name= or function name); the last one trains `model` itself (no extra copy
     of the weights is kept for the whole run), the others deep copies of it."""
     out = []
     for k, name in enumerate(names):
         m = (model if k == len(names) - 1 else copy.deepcopy(model)).to(cfg.device).train()
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # minibatch order
-        out.append(Learner(name, build_objective(cfg, name), m, opt, gen))
+        out.append(Learner(variants.label(name), build_objective(cfg, name), m, opt, gen))
     return out
 
 
@@ -110,8 +112,11 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
     L.tokens += int(D.sum(ro.response_mask.sum()))
     heavy = cfg.tax_every > 0 and step % cfg.tax_every == 0
     parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups, cfg.prompts)
-    for rows in parts:
-        optimizer_step(L, cfg, ro, adv, rows, acc, heavy, others, D)
+    try:
+        for rows in parts:
+            optimizer_step(L, cfg, ro, adv, rows, acc, heavy, others, D)
+    except UserLossError as e:  # a user loss's fault: one line naming it and the step (exit 3)
+        raise UserLossError(f"{e} at step {step}") from e.__cause__
     acc.add_rollout(task, ro, parts)
     rec = acc.finish()
     t1 = time.perf_counter()
@@ -131,7 +136,8 @@ def train(cfg: RunConfig, resume: bool | str = False) -> RunStore:
     (gradlab.loop.scale.dist); rank 0 alone writes the store and checkpoints. resume: True, False
     or "auto" (resume when `cfg.out` holds a run; what a torchrun restart does, loop/runs/resume.py).
     SIGTERM, SIGUSR1 or SIGINT: the step in flight is finished and checkpointed, then
-    `Preempted` is raised (loop/faults/preempt.py).
+    `Preempted` is raised (loop/faults/preempt.py). The run sets torch's thread count to
+    `cfg.threads` (1 unless set, from Python as from the CLI; it stays set afterwards).
     """
     with StopSignals() as signals:
         return _train(cfg, resume, signals)
@@ -159,8 +165,8 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     task = prepare_run(cfg, model, tok, TrainSplit(task))
     evalset = format_problems(task, evalset)
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
-    others = [] if cfg.mode == "tandem" else [  # (name, objective) pairs
-        (n, build_objective(cfg, n)) for n in cfg.objectives[1:]]
+    others = [] if cfg.mode == "tandem" else [  # (label, objective) pairs
+        (variants.label(n), build_objective(cfg, n)) for n in cfg.objectives[1:]]
     # the probe set is drawn from the initial weights before the last learner takes them over
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     learners = make_learners(cfg, model, trained)

@@ -155,12 +155,22 @@ def run_status(path: str | Path) -> tuple[int, int] | None:
     names = list(cfg.get("objectives", []))
     done = []
     for name in names if cfg.get("mode", "tandem") == "tandem" else names[:1]:
-        st = path / "checkpoints" / name / "state.json"
+        st = path / "checkpoints" / _label(name) / "state.json"
         try:
             done.append(int(json.loads(st.read_text())["step"]) if st.exists() else 0)
         except (json.JSONDecodeError, KeyError, ValueError):
             done.append(0)
     return (min(done) if done else 0), int(cfg.get("steps", 0))
+
+
+def _label(spec) -> str:
+    """The checkpoint folder of objective `spec` (a user loss's is its label)."""
+    from ...core.variants import label
+
+    try:
+        return label(str(spec))
+    except ValueError:
+        return str(spec)
 
 
 def reproduce_action(cfg: RunConfig, resume: bool) -> str:

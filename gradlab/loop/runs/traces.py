@@ -72,6 +72,7 @@ def token_rows(batch: TokenBatch, W: Tensor, objective=None, keep: Tensor | None
     W_closed, clip = nan, torch.zeros_like(batch.mask)
     if objective is not None:
         W_closed = objective.modulation(batch).float()
+    if objective is not None and getattr(objective, "mechanisms", True):  # a user loss: no clip flag
         base = getattr(objective, "base", objective)  # DFPO: a Min-Replace zero is not a clip
         w, w_off = base.policy_modulation(batch), base.policy_modulation(batch, ("clip",))
         clip = (w == 0) & (w_off != 0) & batch.mask
