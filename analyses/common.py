@@ -45,10 +45,10 @@ def run_seeds(root: str | Path, seeds, ledger: list | None = None, reuse_any_cod
     configuration, other or unrecorded code, no checkpoint) is wiped and trained from scratch:
     the run store appends, so a folder must never be trained into twice. reuse_any_code=True
     reuses a finished run whatever code made it (the ledger says so). `ledger`: a list that
-    gets one `gradlab.provenance.summary` row per seed (run, code hash, machine, reused).
+    gets one row per seed (`run_row`: run, code hash, machine, reused).
     """
     from gradlab.loop.train import train
-    from gradlab.provenance import same_code, summary
+    from gradlab.provenance import same_code
 
     root = Path(root)
     for k in seeds:
@@ -62,8 +62,19 @@ def run_seeds(root: str | Path, seeds, ledger: list | None = None, reuse_any_cod
                 shutil.rmtree(c.out)
             train(c, resume=state is not None)
         if ledger is not None:
-            ledger.append(summary(c.out, reused))
+            ledger.append(run_row(c.out, reused))
     return root
+
+
+def run_row(run: str | Path, reused: bool) -> dict:
+    """A figure's provenance row for one run (`gradlab.provenance.summary`) without its
+    `current_code` flag: whether a run's code is the shipped code changes with every later
+    commit, so `python -m analyses.provenance` computes it when asked instead."""
+    from gradlab.provenance import summary
+
+    row = summary(run, reused)
+    row.pop("current_code", None)
+    return row
 
 
 def _run_one(job: tuple) -> list:

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analyses import ablations, common, figure2, figure3, noise_floor, prop31, scaffold_tax  # noqa: E402
+from gradlab.provenance import code_hash  # noqa: E402
 from gradlab.stats import paired_interval  # noqa: E402
 
 
@@ -107,12 +108,22 @@ def test_ablations_quick(tmp_path):
     # one provenance row per run used: Figure 3 tandem, second tandem, G ≠ 4 tandems (2 seeds each)
     ledger = meta["run_provenance"]
     assert len(ledger) == 2 * (2 + len(ablations.GROUP_SIZES) - 1)
-    assert all(r["current_code"] and len(r["code_hash"]) == 16 for r in ledger)
-    # the seeds file holds every table row; comparisons: the second tandem's and G ≠ 4's
+    # whether a run's code is the shipped code is computed when asked, never stored
+    assert all(r["code_hash"] == code_hash() and "current_code" not in r for r in ledger)
+    # the seeds file holds every table row; with no figure3 seeds file beside it, comparisons
+    # hold every Table 2 variant − GSPO and every G
     seeds = pd.read_csv(tmp_path / "ablations_seeds.csv")
     assert set(seeds["layout"]) == {"independent", *(f"G={g}" for g in ablations.GROUP_SIZES)}
     rows = pd.read_csv(tmp_path / "comparisons.csv")
+    assert len(rows) == len(ablations.TABLE2) - 1 + len(ablations.GROUP_SIZES)
+    # when figure3 publishes these very runs, their comparisons are figure3's rows only
+    fig3_rows = seeds[seeds["objective"].isin(figure3.OBJECTIVES) & (seeds["layout"] == "independent")]
+    fig3_rows.assign(experiment="figure3").to_csv(tmp_path / "figure3_seeds.csv", index=False)
+    assert ablations.main(["--reanalyse", "--out", str(tmp_path)]) == 0
+    rows = pd.read_csv(tmp_path / "comparisons.csv")
+    rows = rows[rows["experiment"] == "ablations"]
     assert len(rows) == len(ablations.EXTRA) + len(ablations.GROUP_SIZES) - 1
+    assert "published once as experiment `figure3`" in (tmp_path / "ablations.md").read_text()
     assert not rows["primary"].any() and rows["p_holm"].isna().all()
     x = seeds[(seeds["layout"] == "G=16") & (seeds["objective"] == "dfpo-min")]["heldout_acc"]
     y = seeds[(seeds["layout"] == "G=16") & (seeds["objective"] == "gspo")]["heldout_acc"]
@@ -397,7 +408,7 @@ def test_noise_budget_quick(tmp_path):
     meta = json.loads((tmp_path / "noise_budget.json").read_text())
     t = pd.DataFrame(meta["table"]).set_index("scheme")
     assert t.loc["expected all", "eval_sd"] == 0 and t.loc["sampled 16×1", "eval_sd"] > 0
-    assert len(meta["runs"]) == 3 and all(r["current_code"] for r in meta["runs"])
+    assert len(meta["runs"]) == 3 and all(r["code_hash"] == code_hash() for r in meta["runs"])
     long = pd.read_csv(tmp_path / "noise_budget.csv")
     whole = long[long["scheme"] == "expected all"]
     assert len(whole) == 3 * 3 and whole["value"].between(0, 1).all()
@@ -427,3 +438,31 @@ def test_same_runs_reports_identical_and_differing_runs(tmp_path, capsys):
     (tmp_path / "b" / "traces").rename(tmp_path / "b" / "gone")
     assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     assert f"only in {tmp_path / 'a'}: traces" in capsys.readouterr().out
+
+
+def test_provenance_is_computed_not_stored(tmp_path, capsys):
+    """No figure JSON stores whether its runs are the shipped code; `python -m
+    analyses.provenance` computes it: runs of code_hash() count as shipped, others are listed
+    by hash with their same_runs record, figures without runs say so."""
+    from analyses import provenance
+
+    for f in common.FIGURES.rglob("*.json"):
+        assert '"current_code"' not in f.read_text(), f
+    assert provenance.main([]) == 0
+    text = capsys.readouterr().out
+    assert f"shipped code: {code_hash()}" in text
+    for name in ("ablations.json", "figure3.json", "variance_tree.json", "scaffold/figure3.json"):
+        assert f"{name}:\n" in text
+    assert "variance.json:\n  runs not recorded; made at commit 99e6d20" in text
+    row = {"run": "r0", "code_hash": code_hash(), "commit": "a" * 40}
+    other = {"run": "r1", "code_hash": "0123456789abcdef", "commit": "b" * 40}
+    (tmp_path / "f.json").write_text(json.dumps({"runs": [row, other, dict(other, run="r2")],
+        "same_runs": [{"code_hash": "0123456789abcdef", "against_code_hash": code_hash(),
+                       "run": "r1", "identical": True}]}))
+    (tmp_path / "g.json").write_text(json.dumps({"run_provenance": [dict(other, run="r3")]}))
+    lines = provenance.report(tmp_path)
+    assert f"  3 runs listed; by the shipped code ({code_hash()}): 1" in lines
+    assert "  by other code 0123456789abcdef: 2 runs (commit bbbbbbb)" in lines
+    assert f"    same_runs: identical to code {code_hash()} on r1" in lines
+    assert lines[-1] == "    same_runs: not recorded"
+    assert provenance.main(["--figures", str(tmp_path / "absent")]) == 2
