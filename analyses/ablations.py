@@ -142,33 +142,52 @@ def table3_rows(wides: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def publish(w2: pd.DataFrame | None, w3: dict, out: Path, task: str, G2: int) -> pd.DataFrame:
+def publish(w2: pd.DataFrame | None, w3: dict, out: Path, task: str, G2: int) -> bool:
     """<experiment>_seeds.csv and the experiment's comparisons.csv rows (into figures/ when out
-    lies under it): each variant − GSPO of the second tandem, and DFPO Min-Replace − GSPO per
-    G ≠ G2 (layout "G=<g>"); all exploratory, held-out accuracy in points. G2: Table 2's group
-    size. The seeds file holds every row; the differences whose runs are the Figure 3 tandem
-    (Table 2's dfpo-min, dfpo-orth, grpo; Table 3 at G2) are experiment figure3's rows, not
-    repeated here (one row per comparison)."""
+    lies under it): each variant − GSPO of Table 2 and DFPO Min-Replace − GSPO per G (layout
+    "G=<g>"); all exploratory, held-out accuracy in points. G2: Table 2's group size. The seeds
+    file holds every row. The differences whose runs are the Figure 3 tandem (Table 2's
+    dfpo-min, dfpo-orth, grpo; Table 3 at G2) are experiment figure3's rows when figure3's
+    published seeds are these runs (one row per comparison), and this experiment's rows when
+    they are other runs (Figure 3 re-trained after the ablations); returns which."""
     exp = EXPERIMENT if task == "arithmetic" else f"{EXPERIMENT}-{task}"
     key = dict(experiment=exp, task=task, matched="optimizer_steps")
     parts = [] if w2 is None else [w2.assign(layout="independent", table="table2", G=G2)]
     parts += [w.assign(layout=f"G={G}", table="table3", G=G) for G, w in w3.items()]
     seeds = pd.concat(parts, ignore_index=True).assign(**key)
     seeds = seeds[comparisons.SEED_KEYS + [c for c in seeds.columns if c not in comparisons.SEED_KEYS]]
+    dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
+    shared = fig3_shared(seeds, dest / f"{exp.replace(EXPERIMENT, figure3.EXPERIMENT)}_seeds.csv", G2)
+    fig3_names = [n for n in TABLE2 if n in figure3.OBJECTIVES and n != "gspo"]
+    names = EXTRA + ([] if shared else fig3_names)
     pairs = [] if w2 is None else [({**key, "layout": "independent", "objective": n},
                                     {**key, "layout": "independent", "objective": "gspo"}, False)
-                                   for n in EXTRA]
+                                   for n in TABLE2 if n in names]
     pairs += [({**key, "layout": f"G={G}", "objective": "dfpo-min"},
-               {**key, "layout": f"G={G}", "objective": "gspo"}, False) for G in w3 if G != G2]
-    rows = comparisons.compare(seeds, pairs)
-    comparisons.publish(seeds, rows, exp, out, FIGURES)
-    return rows
+               {**key, "layout": f"G={G}", "objective": "gspo"}, False)
+              for G in w3 if G != G2 or not shared]
+    comparisons.publish(seeds, comparisons.compare(seeds, pairs), exp, out, FIGURES)
+    return shared
+
+
+def fig3_shared(seeds: pd.DataFrame, fig3_seeds: Path, G2: int) -> bool:
+    """True iff the Figure 3 experiment's seeds file holds this experiment's Figure 3 tandem
+    (Table 2's rows of the Figure 3 objectives, Table 3 at G2): the same held-out score per
+    (objective, seed)."""
+    if not fig3_seeds.is_file():
+        return False
+    pub = pd.read_csv(fig3_seeds).set_index(["objective", "seed"])["heldout_acc"]
+    mine = seeds[seeds["objective"].isin(figure3.OBJECTIVES)
+                 & seeds["layout"].isin(["independent", f"G={G2}"])]
+    mine = mine.drop_duplicates(["objective", "seed"]).set_index(["objective", "seed"])["heldout_acc"]
+    return bool(len(mine)) and bool(mine.index.isin(pub.index).all()) and bool(
+        (pub.loc[mine.index].to_numpy() == mine.to_numpy()).all())
 
 
 def markdown(w2: pd.DataFrame | None, w3: dict, src: str, footer: str, exp: str,
-             G2: int) -> list[str]:
+             G2: int, shared: bool = True) -> list[str]:
     """The tables' markdown lines (Table 2 if w2, Table 3 if w3), a note on where the
-    comparisons live, and the footer."""
+    comparisons live (shared: the Figure 3 tandem's are figure3's rows), and the footer."""
     md = []
     if w2 is not None:
         md += ["### Table 2 (ablations): mean [95 % t interval] over seeds; difference to GSPO "
@@ -178,12 +197,14 @@ def markdown(w2: pd.DataFrame | None, w3: dict, src: str, footer: str, exp: str,
         md += ["### Table 3 (group size), DFPO Min-Replace − GSPO, paired by seed [95 % paired t "
                "interval], p (exact sign-flip)", "", table3_rows(w3).to_markdown(index=False), ""]
     fig3 = exp.replace(EXPERIMENT, figure3.EXPERIMENT)
+    where = (("; DFPO (both)" + (f", GRPO and G = {G2}" if w3 else " and GRPO")
+              + f" are the Figure 3 tandem's runs, published once as experiment `{fig3}`")
+             if shared else f" and for the Figure 3 tandem's, which are not experiment `{fig3}`'s runs")
     md += [f"Per-seed values: `{exp}_seeds.csv`. The held-out differences to GSPO are rows of "
            f"`comparisons.csv`, all exploratory (not declared before the runs; no multiplicity "
            f"adjustment): experiment `{exp}` for the second tandem's variants"
-           + (f" and G ≠ {G2}" if w3 else "") + "; DFPO (both)"
-           + (f", GRPO and G = {G2}" if w3 else " and GRPO") + " are the Figure 3 tandem's runs, published "
-           f"once as experiment `{fig3}`.", "", footer]
+           + (f" and G ≠ {G2}" if w3 and shared else " and every G" if w3 else "") + where + ".",
+           "", footer]
     return md
 
 
@@ -228,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         w3 = table3(runs / "table3", fig3, seeds, size, eval_n, GROUP_SIZES, ledger, reuse)
     src = ", ".join(sorted(set(pd.concat([w for w in [w2, *w3.values()] if w is not None])
                                ["heldout_source"])))
-    publish(w2, w3, out, a.task, size["G"])
+    shared = publish(w2, w3, out, a.task, size["G"])
     seconds = time.time() - t0
     footer = (f"{len(seeds)} seeds × {size['steps']} rollout steps × {size['prompts']} prompts, "
               f"{size['minibatches']} minibatches ({size['steps'] * size['minibatches']} optimizer "
               f"steps per row), held-out n={eval_n}; {seconds:.0f} s; {stamp(prov)}"
               + ("; finished runs reused whatever code made them (--reuse-any-code)." if reuse else "."))
-    md = markdown(w2, w3, src, footer, EXPERIMENT + sfx, size["G"])
+    md = markdown(w2, w3, src, footer, EXPERIMENT + sfx, size["G"], shared)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablations.md").write_text("\n".join(md) + "\n")
     longs = ([] if w2 is None else [_long(w2, "table2", size["G"], TABLE2)]) + [
@@ -263,7 +284,7 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
     for w in [w2, *w3.values()]:
         if w is not None:
             w["heldout_source"] = src
-    publish(w2, w3, out, task, size["G"])
+    shared = publish(w2, w3, out, task, size["G"])
     made = meta.get("runs_made_by") or meta["provenance"]
     prov = provenance("ablations.py", argv)
     when = ("per-run code hashes in ablations.json" if meta.get("run_provenance")
@@ -273,7 +294,7 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
               f"steps per row), held-out n={meta['eval_n']}; runs made by `{made['command']}` at "
               f"commit {made['commit'][:10]} in {meta['seconds']} s ({when}); tables re-made by {stamp(prov)}.")
     md = markdown(w2, w3, src, footer, EXPERIMENT + ("" if task == "arithmetic" else f"-{task}"),
-                  size["G"])
+                  size["G"], shared)
     (out / "ablations.md").write_text("\n".join(md) + "\n")
     meta.update(provenance=prov, runs_made_by=made, heldout_source=src,
                 run_provenance=meta.get("run_provenance"))
