@@ -21,6 +21,7 @@ from trl import GRPOConfig
 import gradlab
 from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
 from gradlab.loop.setup.policy import load_policy
+from gradlab.viz.undefined import text_table
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed-option notices
 
@@ -51,7 +52,7 @@ def main(prompts: int, G: int, gens: int, out: str) -> None:
 
     run = gradlab.load_run(f"{out}/gradlab", wide=True)          # one row per generation batch
     cols = ["step", "rho_prefix", "rho_prefix_step", "split_groups", "shared_fraction"]
-    print(run[cols].to_string(index=False))
+    print(text_table(run, cols))  # an undefined ρ (e.g. every group tied) is "—" with its reason
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ token counts are global, and rank 0 writes the store.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from unittest import mock
@@ -298,8 +299,9 @@ class GradlabMixin(ResumeMixin):
         self.gradlab_window = w
         if self.gradlab.keep_windows:
             self.gradlab_windows.append(w)
-        for k, v in w.metrics.items():
-            self._metrics["train"][f"gradlab/{k}"].append(v)
+        for k, v in w.metrics.items():  # TRL averages each key over the windows that report
+            if not math.isnan(v):  # it: an undefined ρ is left out, never a NaN or 0 in the mean
+                self._metrics["train"][f"gradlab/{k}"].append(v)
         if self.gradlab_store is not None:
             self.gradlab_store.log({
                 "step": w.index, "objective": self._gl_label(), "seed": self.args.seed,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import tempfile
 import time
 import warnings
@@ -188,7 +189,7 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
             att = attribution(objective, w.batch, "prefix")
             for k in shares:
                 shares[k] += att[k] * att["residual"]
-    r = lambda a, b: acc[a] / acc[b] if acc[b] > 0 else 0.0
+    r = lambda a, b: acc[a] / acc[b] if acc[b] > 0 else math.nan  # Σ|W| = 0: undefined
     out = {"rho": r("res", "mass"), "rho_trie": r("res_trie", "mass_trie"),
            "rho_step": r("res_step", "mass"), "split": sum(split) / max(len(split), 1)}
     # Share of the per-step residual that splitting adds; 0 when there is (numerically) none.
@@ -196,7 +197,7 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
     out["split_attr"] = (acc["res_step"] - acc["res"]) / acc["res_step"] if real else 0.0
     if objective is not None:
         out["rho_closed_form"] = r("res_cf", "mass_cf")
-        out.update({f"attr_{k}": v / acc["res_cf"] if acc["res_cf"] > 0 else 0.0
+        out.update({f"attr_{k}": v / acc["res_cf"] if acc["res_cf"] > 0 else math.nan
                     for k, v in shares.items()})
     return out
 

@@ -120,13 +120,22 @@ def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
     return out
 
 
+def tied_share(batch: TokenBatch) -> float:
+    """Share of groups whose every advantage is 0 (equal rewards: no gradient from them); NaN
+    with no group."""
+    gid, sizes = group_index(batch.group)
+    moving = ((batch.adv_tokens.abs() * batch.mask).sum(-1) > 0).double()  # (B,)
+    n = torch.zeros(sizes.numel(), dtype=moving.dtype, device=moving.device).index_add_(0, gid, moving)
+    return float((n == 0).double().mean()) if sizes.numel() else math.nan
+
+
 def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
                    W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
     """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`.
 
     Every ρ is NaN where it is undefined (`defined_ratio`): nodes_prefix = 0 (no full-group
-    token) or mass_prefix = 0 (W ≡ 0 there: every group tied); nodes_trie and mass_trie say
-    the same of rho_trie. Counts and sums are numbers."""
+    token) or mass_prefix = 0 (W ≡ 0 there; zero_std_share = 1: every group tied); nodes_trie
+    and mass_trie say the same of rho_trie. Counts and sums are numbers."""
     sn_all = shared_nodes(batch, "trie" if trie else "prefix")
     sn = sn_all.full_group()
     c = cancellation(W, batch, sn=sn)
@@ -136,7 +145,8 @@ def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
            "shared_fraction": c.shared_fraction, "nodes_prefix": float(c.n_nodes),
            "split_groups": split_share(batch.group, opt),
            "split_groups_micro": split_share(batch.group, micro),
-           "groups": float(torch.unique(batch.group).numel())}
+           "groups": float(torch.unique(batch.group).numel()),
+           "zero_std_share": tied_share(batch)}
     if trie:
         ct = cancellation(W, batch, sn=sn_all)
         out.update(rho_trie=defined_ratio(ct), mass_trie=ct.mass, nodes_trie=float(ct.n_nodes))

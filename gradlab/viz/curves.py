@@ -24,6 +24,8 @@ CURVES = [
     ("logodds", "equal-solution log-odds log π(a)/π(b)"),
 ]
 LOG = ("rho_prefix", "rho_trie", "tax_share")  # span float round-off (~1e-9) to ~0.3: log axes
+# where these are undefined (NaN with a cause) the title says why; a line breaks there
+EXPLAIN = ("rho_prefix", "rho_trie", "tax_share")
 HELDOUT = "eval_accuracy"  # drawn as points in the training-accuracy panel
 
 
@@ -46,10 +48,12 @@ def panels(tidy: pd.DataFrame, metrics=CURVES) -> list[tuple[str, str]]:
     return have
 
 
-def _sampled_every(tidy: pd.DataFrame, m: str) -> int:
+def _sampled_every(tidy: pd.DataFrame, m: str, also=()) -> int:
     """k when metric m is measured every k > 1 steps (e.g. --tax-every), 0 when at one step
-    only while the run has more, else 1 (every step)."""
-    steps = sorted(set(tidy.loc[tidy["metric"] == m, "step"].dropna().astype(int)))
+    only while the run has more, else 1 (every step). also: steps where m was measured and is
+    undefined (NaN with a cause), counted as measured."""
+    steps = sorted(set(tidy.loc[tidy["metric"] == m, "step"].dropna().astype(int)) |
+                   {int(s) for s in also})
     if len(steps) >= tidy["step"].nunique():
         return 1
     return int(np.median(np.diff(steps))) if len(steps) > 1 else 0
@@ -67,9 +71,19 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
     mean over that many points of each seed's curve (1 = raw; not applied to points). log:
     metrics drawn on a log axis; there values below `floor` (float round-off, e.g. ρ of an
     objective that cancels exactly) are raised to it and the band under it is shaded.
+    An undefined ρ (NaN in the store: every group tied, no full-group token) is a gap in its
+    line, never a point at 0; the panel title gives the reason (`gradlab.viz.undefined`), and
+    a ρ undefined at every step gets an empty panel that says why.
     """
+    full = tidy  # NaN kept: where a ρ is undefined, and why
     tidy = tidy[tidy["value"].notna()]  # the store melts unmeasured steps to NaN
     have = panels(tidy, metrics)
+    undefined = {m: _undefined_at(full, m, x) for m, _ in metrics if m in EXPLAIN}
+    und_steps = {m: {s for v in (u if x == "step" else _undefined_at(full, m, "step")).values()
+                     for s, _ in v} for m, u in undefined.items()}
+    have += [(m, t) for m, t in metrics if undefined.get(m) and m not in dict(have)]
+    # ↑ undefined at every step: an empty panel says why
+    have.sort(key=lambda p: [m for m, _ in metrics].index(p[0]))
     objs = list(dict.fromkeys(tidy["objective"].dropna()))
     palette = dict(zip(objs, sns.color_palette(n_colors=max(len(objs), 1))))
     dashes = dict(zip(objs, [(1, 0), (4, 2), (1, 1.5), (6, 2, 1, 2), (3, 1, 1, 1, 1, 1)] * 10))
@@ -77,17 +91,22 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
     nrow = max(1, -(-len(have) // ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.5 * ncol, 3.0 * nrow), squeeze=False)
     for ax, (m, label) in zip(axes.flat, have):
-        k = _sampled_every(tidy, m)
+        k = _sampled_every(tidy, m, und_steps.get(m, ()))
         d = tidy[tidy["metric"] == m].copy()
         if smooth > 1 and k == 1:
             d["value"] = d.groupby(["run", "objective", "seed"])["value"].transform(
                 lambda s: s.rolling(smooth, min_periods=1).mean())
         if m in log:
             d["value"] = d["value"].clip(lower=floor)
-        if k == 1:
+        gaps = undefined.get(m, {})
+        label += _gaps_note(ax, gaps, empty=d.empty)
+        if d.empty:
+            pass
+        elif k == 1:
             sns.lineplot(data=d, x=x, y="value", hue="objective", style="objective", ax=ax,
                          errorbar=_t_band, palette=palette,
                          hue_order=objs, style_order=objs, dashes=dashes, legend=False)
+            _break_lines(ax, gaps, palette)
         else:  # measured every k steps: points at those steps, nothing in between
             _points(ax, d, x, objs, palette, "o")
             label += f" (measured every {k} steps)" if k else " (measured at one step)"
@@ -116,6 +135,55 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
     if title:
         fig.suptitle(title, fontsize=10, y=1.02)
     return fig
+
+
+def _undefined_at(full: pd.DataFrame, m: str, x: str) -> dict:
+    """{objective: [(x value, reason)]} where metric m is undefined for every seed (NaN with a
+    cause, `gradlab.viz.undefined.step_reason`; a step where it was not measured is not one)."""
+    from .undefined import NOT_MEASURED, step_reason
+
+    out: dict = {}
+    for o, d in full.groupby("objective", sort=False):
+        if m not in set(d["metric"]):
+            continue
+        wide = d.pivot_table(index=x, columns="metric", values="value", dropna=False)
+        for xv, row in wide.iterrows():  # the mean over seeds: NaN when every seed's is
+            why = step_reason(row, m)
+            if why not in (None, NOT_MEASURED):
+                out.setdefault(o, []).append((xv, why))
+    return out
+
+
+def _gaps_note(ax: plt.Axes, gaps: dict, empty: bool) -> str:
+    """The title suffix saying why the metric is undefined where it is ("" when never: `gaps`
+    from `_undefined_at`); on an empty panel (undefined at every step) the reason in the
+    middle too."""
+    if not gaps:
+        return ""
+    why = ", ".join(dict.fromkeys(w for v in gaps.values() for _, w in v))
+    if empty:
+        ax.text(0.5, 0.5, f"undefined at every step\n({why})", ha="center", va="center",
+                transform=ax.transAxes, fontsize=9, color="0.3")
+        ax.set_yticks([])
+        return f" — undefined ({why})"
+    return f" — gaps: undefined ({why})"
+
+
+def _break_lines(ax: plt.Axes, gaps: dict, palette: dict) -> None:
+    """Insert NaN into each objective's line where its ρ is undefined, so the line breaks
+    there instead of joining its neighbours (seaborn drops NaN rows before drawing)."""
+    from matplotlib.colors import to_rgb
+
+    for o, at in gaps.items():
+        xs = [xv for xv, _ in at]
+        for line in ax.lines:
+            if line.get_linestyle() == "None" or to_rgb(line.get_color()) != to_rgb(palette[o]):
+                continue
+            lx, ly = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+            ax_ = np.concatenate([lx, np.asarray(xs, float)])
+            ay = np.concatenate([ly, np.full(len(xs), np.nan)])
+            order = np.argsort(ax_, kind="stable")
+            line.set_data(ax_[order], ay[order])
 
 
 def _t_band(values) -> tuple[float, float]:

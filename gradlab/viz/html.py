@@ -58,10 +58,36 @@ def trace_payload(traces: pd.DataFrame) -> dict:
     return out
 
 
-def render(title: str, svg: str, payload: dict) -> str:
-    """The page: title, curves, navigation, strips and hover details, all inline."""
+def summary_html(tidy: pd.DataFrame) -> str:
+    """The end-of-run table (`gradlab.viz.summary.run_rows`) as an HTML <table>: an undefined
+    ρ or tax share is "—" with a footnote marker (its reason also on hover), the reasons
+    listed under the table; never a 0 or "nan" for an undefined value."""
+    from .summary import LAST, NOTE, RATIOS, run_rows
+    from .undefined import NOT_MEASURED, Footnotes
+
+    notes = Footnotes()
+    head = ["objective", f"reward (last {LAST} steps)", "held-out accuracy", "ρ trie",
+            "ρ full-group", "tax share"]
+    rows = []
+    for r in run_rows(tidy).to_dict("records"):
+        whys = [NOT_MEASURED, NOT_MEASURED, *(r[f"why_{m}"] for m in RATIOS)]
+        vals = [r["reward"], r["heldout"], *(r[m] for m in RATIOS)]
+        cells = [f"<td>{html.escape(str(r['objective']))}</td>"]
+        for v, why in zip(vals, whys):
+            text = notes.cell(v, why)
+            tip = f' title="{html.escape(why)}"' if text.startswith("—") else ""
+            cells.append(f"<td{tip}>{html.escape(text)}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    legend = "".join(f"<br>{html.escape(line)}" for line in notes.legend().splitlines())
+    return ("<table id=\"summary\"><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) +
+            "</tr>" + "".join(rows) + f"</table><p class=\"note\">{html.escape(NOTE)}{legend}</p>")
+
+
+def render(title: str, svg: str, payload: dict, summary: str = "") -> str:
+    """The page: title, summary table, curves, navigation, strips and hover details, all inline."""
     data = json.dumps(payload, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
-    return PAGE.format(title=html.escape(title), svg=svg, data=data, script=SCRIPT, style=STYLE)
+    return PAGE.format(title=html.escape(title), svg=svg, data=data, script=SCRIPT, style=STYLE,
+                       summary=summary)
 
 
 def view(run: str | Path, out: str | Path | None = None, refresh: float | None = None) -> Path:
@@ -73,14 +99,16 @@ def view(run: str | Path, out: str | Path | None = None, refresh: float | None =
     run = Path(run)
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run} is not a run folder (no config.json)")
-    svg = curves_svg(load_run(run)) if (run / "metrics.jsonl").exists() else "<p>no metrics</p>"
+    tidy = load_run(run) if (run / "metrics.jsonl").exists() else None
+    svg = curves_svg(tidy) if tidy is not None else "<p>no metrics</p>"
+    summary = summary_html(tidy) if tidy is not None and len(tidy) else ""
     try:
         payload = trace_payload(load_traces(run))
     except FileNotFoundError:
         payload = {}
     out = Path(out) if out is not None else run / "view.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    page = render(run_title(run), svg, payload)
+    page = render(run_title(run), svg, payload, summary)
     if refresh:
         page = page.replace("<head>", f'<head><meta http-equiv="refresh" content="{refresh:g}">', 1)
     write_file(out, page)  # whole or absent: a browser never reads half a page
@@ -119,12 +147,15 @@ cursor:default} .tok.full{border-bottom:3px solid #4C72B0} .tok.subset{border-bo
 .tok.branch{border-left:3px solid #000}
 .tok:hover{outline:2px solid #000} .sum{font-size:11px;margin:1px 3px;color:#4C72B0} .tok.clip{outline:2px dashed #000} #detail{font-family:monospace;white-space:pre;background:#f6f6f6;
 padding:8px;min-height:3em;margin-top:8px}
+#summary{border-collapse:collapse} #summary td,#summary th{border:1px solid #ddd;padding:3px 8px}
+.note{font-size:12px;color:#555}
 """
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>{style}</style></head><body>
 <h1>gradlab run {title}</h1>
+{summary}
 <h2>Training curves</h2><div id="curves">{svg}</div>
 <h2>Token strips (hook-measured W, or the advantage A, per token)</h2>
 <p>Colour: W or, with "colour by A", the token's advantage A_{{i,t}} (per token under IBPO) — blue

@@ -106,3 +106,22 @@ class Footnotes:
 
 def _say(why: str) -> str:
     return why if why == NOT_MEASURED else f"undefined ({why})"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:.3g}"
+
+
+def text_table(wide: pd.DataFrame, cols: list[str], fmt=_num) -> str:
+    """Plain-text table of `cols` of a wide run table (one row per step, e.g.
+    `load_run(..., wide=True)`), right-aligned; a NaN cell is "—" with a footnote marker
+    whose reason (`step_reason` of that row) is listed under the table."""
+    notes = Footnotes()
+    body = [[notes.cell(r[c], step_reason(r, c), fmt) if c in r else "—" for c in cols]
+            for _, r in wide.iterrows()]
+    width = [max(len(c), *(len(b[i]) for b in body)) if body else len(c)
+             for i, c in enumerate(cols)]
+    lines = [" ".join(c.rjust(w) for c, w in zip(cols, width))]
+    lines += [" ".join(v.rjust(w) for v, w in zip(b, width)) for b in body]
+    legend = notes.legend()
+    return "\n".join(lines) + ("\n" + legend if legend else "")
