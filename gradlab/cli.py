@@ -33,8 +33,8 @@ from .cli_args import (
 
 # torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
 from .core.variants import split_top
-from .loop.config import ConfigError, RunConfig
-from .loop.runs.resume import given_options, with_stored_config
+from .loop.config import ConfigError, RunConfig, check_types
+from .loop.runs.resume import given_options, read_config, with_stored_config
 
 HELP = {
     "out": "run folder", "objectives": "comma-separated objective names, each optionally with parameters: "
@@ -154,27 +154,44 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
                               'parameters, e.g. \'{"gspo": {"eps": [0.0003, 0.0004]}}\'')
     else:
         kw.pop("objective_params")
-    return RunConfig(**kw)
+    try:
+        return RunConfig(**kw)
+    except ConfigError as e:  # `gradlab run NAME`: the mistake is in NAME, not in an option
+        head = "--objectives: "
+        if objectives and not a.objectives and str(e).startswith(head):
+            raise ConfigError(f"argument objective: {str(e)[len(head):]}") from None
+        raise
 
 
 def _checked_config(a: argparse.Namespace) -> RunConfig:
-    """RunConfig from the options (validated), the device and --model checked: before any work."""
-    from .cli_args import check_device, check_model
+    """RunConfig from the options (validated), the task file, the device and --model checked:
+    before any work, torch-free up to the device and model checks."""
+    from .cli_args import check_context, check_device, check_model, check_task_file
 
+    check_task_file(a.task)  # a bad line is the first thing to fix, before the other options
+    check_context(a.max_new_tokens, a.model)  # before the objectives are built (torch)
+    stored = Path(a.out) / "config.json"
+    if a.resume and stored.is_file():  # a hand-edited file: named before anything is built
+        check_types(read_config(stored), str(stored))
     cfg = config_from_args(a, [a.objective] if getattr(a, "objective", None) else None)
     if a.resume:  # options not typed are the stored ones (loop/runs/resume.py)
         cfg = with_stored_config(cfg, given_options(build_parser(), a.argv))
+    check_context(cfg.max_new_tokens, cfg.model)
     check_device(cfg.device)
     check_model(cfg.model, cfg.trust_remote_code)
+    from .loop.faults.preempt import StopSignals
+
+    # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
+    StopSignals.ignore_after_stop = getattr(a, "program", False)
     return cfg
 
 
 @command("run", "train one objective", _run_args)
 def cmd_train(a: argparse.Namespace) -> int:
+    cfg = _checked_config(a)  # before the heavy imports: a mistake is answered at once
     from .loop.train import train
     from .viz.summary import write_run_summary
 
-    cfg = _checked_config(a)
     store = train(cfg, resume=a.resume)
     if not store.write:  # a data-parallel rank other than 0: rank 0 writes and reports
         return 0
@@ -193,10 +210,10 @@ def _reproduce_args(p: Parser) -> None:
 
 @command("reproduce", "the main job: default tandem + figures + summary", _reproduce_args)
 def cmd_reproduce(a: argparse.Namespace) -> int:
+    cfg = _checked_config(a)  # before the heavy imports: a mistake is answered at once
     from .loop.recipes.reproduce import reproduce
     from .viz.summary import run_table
 
-    cfg = _checked_config(a)
     ref = load_check_reference(a.check) if a.check else None  # a bad file: refused before any work
     t0 = time.time()
     reproduce(cfg, resume=a.resume)  # the full summary: OUT/summary.md
@@ -395,32 +412,43 @@ def _long_help(cmd: str, argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace, program: bool) -> int:
     """args.fn(args), with the loop's failures as one line and their exit codes."""
-    from .loop.faults.atomic import EXIT_WRITE, WriteError
-    from .loop.faults.guard import EXIT_NONFINITE, NonFiniteError
-    from .loop.faults.preempt import Preempted, StopSignals
-    from .loop.runs.store import CorruptFileError
-    from .userloss import UserLossError
-
-    # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
-    StopSignals.ignore_after_stop = program
+    args.program = program  # read by _checked_config (StopSignals)
     try:
         return args.fn(args)
-    except Preempted as e:  # checkpointed; rank 0 alone says how to resume
-        if e.main:
-            print(f"gradlab {args.cmd}: {e.describe(_resume_command(args, e.out))}", file=sys.stderr)
+    except Exception as e:
+        code = _failure(e, args)
+        if code is None:
+            raise
+        return code
+
+
+def _failure(e: Exception, args: argparse.Namespace) -> int | None:
+    """The exit code of a loop failure `e` after printing its line; None for anything else.
+    A failure class is looked up only where its module is loaded (one that is not loaded
+    raised nothing), so the argument checks before it never import torch."""
+    from .loop.faults.atomic import EXIT_WRITE, WriteError
+    from .loop.runs.resume import CorruptFileError
+
+    preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (
+        "loop.faults.preempt", "loop.faults.guard", "userloss"))
+    say = lambda msg: print(f"gradlab {args.cmd}: {msg}", file=sys.stderr)  # noqa: E731
+    if preempt is not None and isinstance(e, preempt.Preempted):  # checkpointed
+        if e.main:  # rank 0 alone says how to resume
+            say(e.describe(_resume_command(args, e.out)))
         return e.exit_code
-    except WriteError as e:
-        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+    if isinstance(e, WriteError):
+        say(f"error: {e}")
         return EXIT_WRITE
-    except NonFiniteError as e:
-        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except UserLossError as e:  # --objectives file.py:fn raised or returned a bad value
-        print(f"gradlab {args.cmd}: error: {e} (exit code 3: a fault in the loss)", file=sys.stderr)
+    if guard is not None and isinstance(e, guard.NonFiniteError):
+        say(f"error: {e}")
+        return guard.EXIT_NONFINITE
+    if userloss is not None and isinstance(e, userloss.UserLossError):  # --objectives file.py:fn
+        say(f"error: {e} (exit code 3: a fault in the loss)")
         return 3
-    except (FileNotFoundError, FileExistsError, CorruptFileError) as e:
-        print(f"gradlab {args.cmd}: error: {e}", file=sys.stderr)
+    if isinstance(e, (FileNotFoundError, FileExistsError, CorruptFileError)):
+        say(f"error: {e}")
         return 2
+    return None
 
 
 if __name__ == "__main__":

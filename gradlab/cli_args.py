@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from .core.variants import split_top
-from .loop.config import ConfigError
+from .loop.config import ConfigError, check_model_files
 
 
 def _table_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +121,7 @@ def check_model(path: str | None, trust_remote_code: bool = False, option: str =
     if path is None:
         return
     data = _model_config(path, option)
+    check_model_files(path, trust_remote_code, option)  # weights and tokenizer, named
     if trust_remote_code and "auto_map" in data:
         return
     import transformers
@@ -131,6 +132,39 @@ def check_model(path: str | None, trust_remote_code: bool = False, option: str =
         raise ConfigError(f"{option}: {path}/config.json names model_type {kind!r}, which "
                           f"transformers {transformers.__version__} does not know (e.g. qwen3, "
                           "llama, qwen2; a newer transformers may)")
+
+
+# the shipped tiny policies (every task's warm start shares their configuration)
+TINY_POLICY = Path(__file__).resolve().parent / "data" / "default_policy"
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_context(model: str | None) -> int | None:
+    """The context length in tokens of model folder `model` (None: gradlab's tiny policies),
+    read from its config.json (a multimodal model's text_config); None where it names none."""
+    data = _model_config(str(model or TINY_POLICY), "--model")
+    for conf in (data, data.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            if isinstance(conf.get(key), int) and not isinstance(conf.get(key), bool):
+                return conf[key]
+    return None
+
+
+def check_context(max_new_tokens: int | None, model: str | None) -> None:
+    """--max-new-tokens must leave room for a prompt in the model's context."""
+    ctx = model_context(model) if max_new_tokens is not None else None
+    if ctx is not None and max_new_tokens >= ctx:
+        what = f"of {model}" if model else "of the task's policy"
+        raise ConfigError(f"--max-new-tokens: {max_new_tokens} is invalid; must be < {ctx}, the "
+                          f"context {what} (max_position_embeddings), which also holds the prompt")
+
+
+def check_task_file(task: str | None) -> None:
+    """A JSONL --task is read once here, so a bad line is named before any other option."""
+    if task and task.endswith(".jsonl") and Path(task).is_file():
+        from .loop.setup.task import JsonlTask
+
+        JsonlTask(task)  # TaskFileError: one line naming the file and line
 
 
 def check_run_folder(run: str, need_metrics: bool = True) -> None:

@@ -122,10 +122,12 @@ def test_bf16_inputs_are_computed_in_float32():
 # done first (each case returns before a model is loaded). A new sub-command adds a row here.
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from gradlab.cli import COMMANDS, main  # noqa: E402
+from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR  # noqa: E402
 
 
 def _folders(tmp) -> dict:
@@ -135,6 +137,8 @@ def _folders(tmp) -> dict:
     (corrupt / "config.json").write_text("{not json")
     (empty / "config.json").write_text("{}")
     (empty / "metrics.jsonl").write_text("")
+    for f in DEFAULT_POLICY_DIR.iterdir():  # a whole model folder but for its model_type
+        shutil.copy(f, unknown / f.name)
     (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
     (tmp / "baseline.json").write_text("{oops")
     return {"CORRUPT": str(corrupt), "EMPTY": str(empty), "BARE": str(bare),

@@ -15,6 +15,16 @@ LAYOUTS = ("independent", "tree", "repair")  # --rollout (rollouts/layouts.py)
 BRANCH_AT = ("entropy", "uniform")  # --branch-at (rollouts/tree.py)
 BRANCH_TOKEN = ("sample", "alternative")  # --branch-token
 REPAIR_MODES = ("resample", "splice", "local")  # --repair (rollouts/repair.py)
+# torch-free copies, so a mistaken option is answered before torch loads (tests/test_newcomer.py
+# holds them equal to gradlab.core.objectives.names() and gradlab.core.batch.ADVANTAGE_SCALES)
+OBJECTIVE_NAMES = ("grpo", "grpo-fix", "gspo", "gspo-token", "dfpo", "dfpo-min", "dfpo-orth",
+                   "dfpo-scale", "ibpo")
+ADV_SCALES = ("group", "batch", "none")
+# what a --model folder needs besides config.json (the names transformers loads)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
 
 
 @dataclass
@@ -95,12 +105,71 @@ class RunConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"config {path}: unknown option(s) {unknown}; valid: {sorted(known)}")
+        check_types(data, str(path))
         return cls(**data)
 
 
+def check_types(data: dict, source: str) -> None:
+    """ConfigError naming the first option of `data` (a config.json read back) whose value is
+    not of its declared RunConfig type, with the value and the type expected. null is allowed
+    only where the default is None; an integer is a float; true/false are not numbers."""
+    import typing
+
+    hints = typing.get_type_hints(RunConfig)
+    for f in fields(RunConfig):
+        if f.name in data and not _has_type(data[f.name], hints[f.name]):
+            v = data[f.name]
+            kind = _JSON_KIND.get(type(v), type(v).__name__)
+            raise ConfigError(f"{source}: option {f.name!r} is {json.dumps(v)}"
+                              + (f" ({kind})" if v is not None else "") + "; expected "
+                              f"{_type_name(hints[f.name])}; correct the file or start a new "
+                              "run in another --out")
+
+
+_JSON_KIND = {str: "a string", bool: "true/false", int: "an integer", float: "a number",
+              list: "a list", dict: "an object"}
+
+
+def _has_type(v: object, t: object) -> bool:
+    import typing
+
+    args = typing.get_args(t)
+    if type(None) in args:  # X | None
+        return v is None or _has_type(v, next(a for a in args if a is not type(None)))
+    origin = typing.get_origin(t)
+    if origin is list:
+        return isinstance(v, list) and all(_has_type(x, args[0]) for x in v)
+    if origin is dict:
+        return isinstance(v, dict) and all(isinstance(k, str) and _has_type(x, args[1])
+                                           for k, x in v.items())
+    if t is float:  # JSON writes 2.0 as 2 in some tools
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, t)
+
+
+def _type_name(t: object) -> str:
+    import typing
+
+    args = typing.get_args(t)
+    if type(None) in args:
+        return _type_name(next(a for a in args if a is not type(None))) + " or null"
+    origin = typing.get_origin(t)
+    if origin is list:
+        return f"a list of {_type_name(args[0]).split(' ', 1)[1]}s"
+    if origin is dict:
+        return "an object of objects"
+    return {str: "a string", bool: "true or false", int: "an integer", float: "a number"}[t]
+
+
 def validate(c: RunConfig) -> None:
+    """ConfigError naming the first bad option: the files (a task or model folder that cannot
+    be used is the first thing to fix), then every value that needs no torch (a mistake is
+    answered at once), then the objectives, which are built (torch is imported)."""
+    _validate_files(c)
+    _validate_values(c)
     from ..core import objectives, variants
-    from ..core.batch import ADVANTAGE_SCALES
 
     if not c.objectives:
         raise ConfigError("--objectives: give at least one objective")
@@ -118,6 +187,33 @@ def validate(c: RunConfig) -> None:
         dup = sorted({x for x in labels if labels.count(x) > 1})
         raise ConfigError(f"--objectives: duplicate names {dup} in {c.objectives} (a user loss "
                           "is named by its function; give another with [name=...])")
+    _validate_layout(c)
+
+
+def _validate_files(c: RunConfig) -> None:
+    """--task and --model: the files exist and can be used (read before any value check)."""
+    if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
+        raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
+    if c.task.endswith(".jsonl"):
+        from .faults.untrusted import check_task_size
+
+        check_task_size(c.task)  # refused from its size, before anything reads it
+    if c.model is not None:
+        check_model_files(c.model, c.trust_remote_code)
+
+
+def _validate_values(c: RunConfig) -> None:
+    """Every option that needs no torch: numbers, names and their combinations."""
+    from ..core import variants
+
+    for name in c.objectives:  # the name only; its parameters are checked when it is built
+        try:
+            base = name if variants.is_user(name) else variants.parse(name)[0]
+        except ValueError as e:
+            raise ConfigError(f"--objectives: {e}") from None
+        if not variants.is_user(name) and base not in OBJECTIVE_NAMES:
+            raise ConfigError(f"--objectives: unknown objective {name!r}; valid: "
+                              f"{', '.join(OBJECTIVE_NAMES)} (each optionally with [key=value, ...])")
     checks = [
         ("G", c.G >= 2, "≥ 2 (a group needs two responses to compare)"),
         ("prompts", c.prompts >= 1, "≥ 1"),
@@ -153,7 +249,6 @@ def validate(c: RunConfig) -> None:
         if c.split_groups:
             raise ConfigError("--micro-batch needs whole groups in every optimizer step: it "
                               "cannot be combined with --split-groups")
-    _validate_layout(c)
     bad_log = sorted(set(filter(None, c.log.split(","))) - {"tensorboard", "trackio"})
     if bad_log:
         raise ConfigError(f"--log: unknown {bad_log}; valid: tensorboard, trackio (comma-separated)")
@@ -165,23 +260,37 @@ def validate(c: RunConfig) -> None:
         raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
     if c.mode == "same-batch" and not c.probes:
         raise ConfigError("--mode same-batch measures the other objectives: it needs --probes")
-    if c.adv_scale not in ADVANTAGE_SCALES:
-        raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADVANTAGE_SCALES)}")
-    if c.model is not None and not (Path(c.model) / "config.json").is_file():
-        raise ConfigError(f"--model: no Hugging Face model folder (config.json) at {c.model}")
-    if c.model is not None:
-        from .faults.untrusted import check_remote_code
+    if c.adv_scale not in ADV_SCALES:
+        raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADV_SCALES)}")
 
-        check_remote_code(c.model, c.trust_remote_code)  # auto_map: refused unless trusted
-    if not (c.device == "cpu" or c.device.startswith("cuda")):
-        raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
-    if c.task not in ("arithmetic", "scaffold") and not (c.task.endswith(".jsonl") and Path(c.task).is_file()):
-        raise ConfigError(f"--task: {c.task!r}; valid: arithmetic, scaffold or a path to an existing .jsonl file")
-    if c.task.endswith(".jsonl"):
-        from .faults.untrusted import check_task_size
 
-        check_task_size(c.task)  # refused from its size, before anything reads it
+def check_model_files(path: str | Path, trust_remote_code: bool = False,
+                      option: str = "--model") -> None:
+    """ConfigError naming what a Hugging Face model folder lacks: config.json, weights
+    (`WEIGHT_FILES`) or tokenizer files (`TOKENIZER_FILES`; a tokenizer with its own code,
+    trusted, may name its files as it likes); then its remote code, refused unless trusted."""
+    from .faults.untrusted import check_remote_code
 
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{option}: no Hugging Face model folder (config.json) at {path}")
+    if not any((folder / n).is_file() for n in WEIGHT_FILES):
+        raise ConfigError(f"{option}: {path} has no weights (none of {', '.join(WEIGHT_FILES)})")
+    own_code = trust_remote_code and _auto_map(folder / "tokenizer_config.json")
+    if not own_code and not (any((folder / n).is_file() for n in TOKENIZER_FILES)
+                             or any(folder.glob("*.tiktoken"))):
+        raise ConfigError(f"{option}: {path} has no tokenizer files (none of "
+                          f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into the folder "
+                          "(tokenizer.save_pretrained)")
+    check_remote_code(folder, trust_remote_code)  # auto_map: refused unless trusted
+
+
+def _auto_map(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("auto_map"))
 
 
 def _validate_layout(c: RunConfig) -> None:

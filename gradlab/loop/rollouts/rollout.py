@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from ..numerics.logprobs import positions as _positions
 from ..numerics.precision import autocast
 
@@ -191,23 +192,28 @@ def stop_ids(model, tokenizer) -> list[int]:
 def check_prompt_lengths(lengths: list[int], max_prompt_len: int | None = None,
                          max_positions: int | None = None, max_new_tokens: int = 0,
                          prompts: list[str] | None = None) -> None:
-    """ValueError naming the first prompt (its index in `lengths`, and its start when `prompts`
-    is given) longer than the limit.
+    """ConfigError (a ValueError) naming the first prompt (its index in `lengths`, and its
+    start when `prompts` is given) longer than the limit.
 
     Limits: `max_prompt_len` (tokens), and the model's `max_positions` minus `max_new_tokens`
     (a prompt must leave room for its response). Called before any model allocation.
     """
+    if max_positions is not None and max_new_tokens >= max_positions:  # no room for any prompt
+        raise ConfigError(f"--max-new-tokens: {max_new_tokens} is invalid; must be < "
+                          f"{max_positions}, the model's context (max_position_embeddings), "
+                          "which also holds the prompt")
     limits = []
     if max_prompt_len is not None:
         limits.append((max_prompt_len, "--max-prompt-len"))
     if max_positions is not None:
         limits.append((max_positions - max_new_tokens,
-                       f"max_position_embeddings {max_positions} - max_new_tokens {max_new_tokens}"))
+                       f"max_position_embeddings {max_positions} - --max-new-tokens "
+                       f"{max_new_tokens}: the model's context holds prompt and response"))
     for limit, what in limits:
         for i, n in enumerate(lengths):
             if n > limit:
                 text = f" {prompts[i][:60]!r}" if prompts is not None else ""
-                raise ValueError(f"prompt {i}{text} has {n} tokens > limit {limit} ({what})")
+                raise ConfigError(f"prompt {i}{text} has {n} tokens > limit {limit} ({what})")
 
 
 def _encode_prompts(tokenizer, prompts: list[str], device: torch.device):

@@ -23,7 +23,7 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, check_types
 
 
 class CorruptFileError(ValueError):
@@ -79,6 +79,7 @@ def with_stored_config(cfg: RunConfig, typed: set[str]) -> RunConfig:
     if not path.is_file():
         return cfg
     stored = read_config(path)
+    check_types(stored, str(path))  # a hand-edited "lr": "0.0002": one line naming it
     known = {f.name for f in fields(RunConfig)}
     kw = {k: v for k, v in stored.items() if k in known}
     kw.update({k: getattr(cfg, k) for k in typed | {"out"}})
