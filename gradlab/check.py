@@ -11,17 +11,23 @@ A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on
   model/<variant>/on            the shipped tiny Qwen3: 4 prompts × G=8 sampled with a fixed
                                 generator, measured before any update (every ratio 1)
   model/<variant>/off           the same rollout's 2nd minibatch (groups 2-3) after one AdamW
-                                step (lr 2e-4) on the 1st (groups 0-1), as in the training loop
+                                step on the 1st (groups 0-1) with the training loop's defaults
+                                (`RunConfig()`: lr, weight decay, gradient clip, temperature,
+                                advantage scale), as in the training loop
 
 Each scenario is held to (1) the invariants of docs/concepts/shared-nodes.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
 exchangeable objectives cancel (ρ ≈ 0), non-exchangeable ones do not (ρ > 0), and the hook
-equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: per
-scenario max |Δρ| ≤ max_abs, and per source the mean signed Δρ ≤ mean (a drift of everything at
-once). The baseline records the environment it was made in; if the sampled rollout differs
-(another torch, another CPU) the model scenarios skip the baseline comparison and say so, and
-still check the invariants. Exit code 0: all good; 1: a violation (named); 2: bad arguments;
-3: the user's loss raised or returned a non-scalar (its traceback is shown). `--loss
-pkg.mod:fn` imports from the working directory first.
+equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: ρ and
+W itself per scenario (a compact exact record of W, so a rescaled, sign-flipped or masked
+gradient is seen, and "W scaled ×2.00" names a consistent rescale), and per source the mean
+signed Δρ (a drift of everything at once). The baseline records the machine it was made on
+(`gradlab.check_baseline`): on the same machine every number must agree to float32 round-off;
+on another it is compared with tolerances, and the output says which. If the sampled rollout
+differs on another machine the model scenarios skip the baseline comparison and say so (they
+still check the invariants); on the same machine that is a change. Exit code 0: all good; 1: a
+violation or a change (named); 2: bad arguments; 3: the user's loss raised or returned a
+non-scalar (its traceback is shown). `--loss pkg.mod:fn` imports from the working directory
+first.
 
     gradlab check                         # built-in objectives vs the invariants and the baseline
     gradlab check --only gspo             # scenarios whose name contains "gspo"
@@ -46,8 +52,6 @@ import argparse
 import contextlib
 import copy
 import hashlib
-import json
-import platform
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from . import check_baseline as cb
 from .userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
 
 BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
@@ -95,8 +100,10 @@ DEFAULT_TOL = {
     "synthetic": {"max_abs": 1e-6, "mean": 1e-8, "zero": 1e-9, "hook": 1e-9},
     "model": {"max_abs": 1e-3, "mean": 1e-4, "zero": 1e-5, "hook": 1e-4},
     "positive": 1e-3,
+    "W": cb.W_TOL,
+    "exact_ulps": cb.EXACT_ULPS,
 }
-MODEL = {"prompts": 4, "G": 8, "problem_seed": 2024, "sample_seed": 0, "lr": 2e-4}
+MODEL = {"prompts": 4, "G": 8, "problem_seed": 2024, "sample_seed": 0}
 
 
 def _table(text: str) -> dict[str, dict[str, str]]:
@@ -129,8 +136,10 @@ class Result:
     rho_prefix: list[float]
     rho_trie: list[float]
     hook_dev: float | None  # max |W_hook − W_closed| / max |W_hook|
+    W: list[dict] = field(default_factory=list)  # check_baseline.w_record per seed
     problems: list[str] = field(default_factory=list)
     delta: float | None = None  # max |Δρ| against the baseline
+    w_base: str = "—"  # W against the baseline: same, ×c or changed
     note: str = ""
 
 
@@ -148,8 +157,12 @@ def builtin_scenarios() -> list[Scenario]:
 
 def user_scenarios(spec: str, expect: str) -> list[Scenario]:
     """Scenarios for a user loss `module:function` or `path/file.py:function`."""
-    fn = guarded(load_loss(spec), spec)
-    label = "loss:" + spec.rsplit(":", 1)[1]
+    return loss_scenarios(guarded(load_loss(spec), spec), "loss:" + spec.rsplit(":", 1)[1], expect)
+
+
+def loss_scenarios(fn: Callable, label: str, expect: str = "cancels") -> list[Scenario]:
+    """Every scenario for the loss `fn(batch) -> scalar`, named `<source>/<label>/<regime>`;
+    expect: cancels (ρ ≈ 0 required everywhere), residual or none (baseline only)."""
     mark = {"cancels": "0", "residual": ".", "none": "."}[expect]
     return [Scenario(f"model/{label}/{c[6:]}" if c.startswith("model") else f"synthetic/{label}/{c}",
                      lambda: fn, None, {"rho_prefix": mark, "rho_trie": "."}) for c in COLUMNS]
@@ -174,13 +187,14 @@ def _hook_dev(W, closed, batch) -> float | None:
 def run_synthetic(sc: Scenario) -> Result:
     from .testing import REGIMES, measure_modulation, random_batch
 
-    pre, tri, devs = [], [], []
+    pre, tri, devs, rec = [], [], [], []
     for s in SEEDS:
         b = random_batch(n_groups=4, G=4, T=12, seed=s, **REGIMES[sc.regime])
         W = measure_modulation(sc.loss(), b)
         p, t = _rhos(W, b)
         pre.append(p), tri.append(t), devs.append(_hook_dev(W, sc.closed, b))
-    return Result(sc.key, pre, tri, None if sc.closed is None else max(devs))
+        rec.append(cb.w_record(W))
+    return Result(sc.key, pre, tri, None if sc.closed is None else max(devs), rec)
 
 
 @dataclass
@@ -193,7 +207,8 @@ class ModelSteps:
     adv: torch.Tensor
     rows_on: torch.Tensor
     rows_off: torch.Tensor
-    fingerprint: str
+    rollout: str  # hash of the sampled response ids and rewards
+    training: dict  # the RunConfig defaults used (testing.training_defaults)
 
 
 def model_steps() -> ModelSteps:
@@ -202,29 +217,32 @@ def model_steps() -> ModelSteps:
     from .loop.rollouts.rollout import generate
     from .loop.setup.policy import load_policy
     from .loop.setup.task import ArithmeticTask
-    from .testing import optimizer_step_on
+    from .testing import loop_step_on, training_defaults
 
+    tr = training_defaults()
     model, tok = load_policy()
     task = ArithmeticTask()
     problems = task.problems(MODEL["prompts"], seed=MODEL["problem_seed"])
     g = torch.Generator().manual_seed(MODEL["sample_seed"])
-    ro = generate(model, tok, problems, MODEL["G"], task.max_new_tokens, 1.0, g, task=task)
-    adv = advantages(ro.rewards, ro.group)
+    ro = generate(model, tok, problems, MODEL["G"], task.max_new_tokens, tr["temperature"], g,
+                  task=task)
+    adv = advantages(ro.rewards, ro.group, scale=tr["adv_scale"])
     half = MODEL["prompts"] // 2
     first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
     off = copy.deepcopy(model)
-    optimizer_step_on(off, ro, first, adv, objectives.get("grpo", norm="const").loss, MODEL["lr"])
+    loop_step_on(off, ro, first, adv, objectives.get("grpo", norm="const").loss, tr)
     h = hashlib.sha1(ro.response_ids.numpy().tobytes() + ro.rewards.numpy().tobytes())
-    return ModelSteps(model, off, ro, adv, torch.arange(len(ro.texts)), second, h.hexdigest()[:16])
+    return ModelSteps(model, off, ro, adv, torch.arange(len(ro.texts)), second,
+                      h.hexdigest()[:16], tr)
 
 
 def run_model(sc: Scenario, ms: ModelSteps) -> Result:
     from .testing import measure_on_model
 
     model, rows = (ms.on, ms.rows_on) if sc.regime == "on" else (ms.off, ms.rows_off)
-    W, batch = measure_on_model(model, ms.ro, rows, ms.adv, sc.loss())
+    W, batch = measure_on_model(model, ms.ro, rows, ms.adv, sc.loss(), ms.training["temperature"])
     p, t = _rhos(W, batch)
-    return Result(sc.key, [p], [t], _hook_dev(W, sc.closed, batch))
+    return Result(sc.key, [p], [t], _hook_dev(W, sc.closed, batch), [cb.w_record(W)])
 
 
 @contextlib.contextmanager
@@ -239,18 +257,21 @@ def one_thread():
         torch.set_num_threads(n)
 
 
-def run(scenarios: list[Scenario]) -> tuple[list[Result], str | None]:
-    """Measure every scenario; returns (results, model fingerprint or None)."""
+def run(scenarios: list[Scenario]) -> tuple[list[Result], dict]:
+    """Measure every scenario; returns (results, this run's identity: machine fingerprint,
+    code hash, rollout hash and training settings (None without model scenarios))."""
     ms = None
     out = []
     with one_thread():
+        fp = cb.fingerprint(torch.get_num_threads())
         for sc in scenarios:
             if sc.source == "synthetic":
                 out.append(run_synthetic(sc))
             else:
                 ms = ms or model_steps()
                 out.append(run_model(sc, ms))
-    return out, (ms.fingerprint if ms else None)
+    return out, {"fingerprint": fp, "code_hash": cb.code_hash(BASELINE),
+                 "rollout": ms.rollout if ms else None, "training": ms.training if ms else None}
 
 
 # ----------------------------------------------------------------------------- judging
@@ -270,89 +291,21 @@ def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict
             r.problems.append(f"hook W ≠ closed form (rel. {r.hook_dev:.2g})")
 
 
-def compare(results: list[Result], base: dict, fingerprint: str | None,
-            tol: dict) -> tuple[list[str], list[str]]:
-    """Baseline comparison: per-scenario max |Δρ| into each result's problems; returns
-    (source-level failures: mean drift, notes: e.g. a rollout that differs from the baseline's)."""
-    scen = base.get("scenarios", {})
-    comparable = {"synthetic": True,
-                  "model": fingerprint is not None and fingerprint == base.get("fingerprint")}
-    deltas: dict[str, list[float]] = {"synthetic": [], "model": []}
-    for r in results:
-        src = r.key.split("/")[0]
-        if r.key not in scen:
-            r.note = "no baseline"
-            continue
-        if not comparable[src]:
-            r.note = "samples differ from baseline: not compared"
-            continue
-        b = scen[r.key]
-        new, old = r.rho_prefix + r.rho_trie, b["rho_prefix"] + b["rho_trie"]
-        if len(new) != len(old):
-            r.problems.append("baseline has a different number of seeds")
-            continue
-        d = [x - y for x, y in zip(new, old)]
-        deltas[src] += d
-        r.delta = max(abs(x) for x in d)
-        if r.delta > tol[src]["max_abs"]:
-            r.problems.append(f"|Δρ| {r.delta:.3g} > {tol[src]['max_abs']:g} vs baseline")
-    msgs, notes = [], []
-    for src, d in deltas.items():
-        if d and abs(sum(d) / len(d)) > tol[src]["mean"]:
-            msgs.append(f"{src}: mean Δρ {sum(d) / len(d):+.3g} over {len(d)} values exceeds "
-                        f"the mean-drift tolerance {tol[src]['mean']:g}")
-    if not comparable["model"] and fingerprint is not None and base:
-        notes.append(f"model rollout differs from the baseline's ("
-                     f"{environment_diff(base.get('environment', {}))}); model scenarios are "
-                     "checked against the invariants only")
-    return msgs, notes
-
-
-def environment() -> dict:
-    import transformers
-
-    from . import __version__
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "gradlab": __version__,
-            "platform": platform.platform(), "machine": platform.machine(), "threads": 1}
-
-
-def environment_diff(old: dict) -> str:
-    now = environment()
-    d = [f"{k}: {old.get(k)} → {v}" for k, v in now.items() if old.get(k) != v]
-    return "; ".join(d) or "same environment"
-
-
-def baseline_dict(results: list[Result], fingerprint: str | None, tol: dict) -> dict:
-    return {"gradlab_check": 1, "environment": environment(), "tolerance": tol,
-            "fingerprint": fingerprint, "model_setup": MODEL, "seeds": list(SEEDS),
-            "scenarios": {r.key: {"rho_prefix": r.rho_prefix, "rho_trie": r.rho_trie}
-                          for r in results}}
-
-
-def _dumps(d: dict) -> str:
-    """JSON with one line per scenario (readable diffs in review)."""
-    d = dict(d)
-    scen = d.pop("scenarios")
-    body = json.dumps(d, indent=1)[:-2]
-    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in scen.items())
-    return body + ',\n "scenarios": {\n' + rows + "\n }\n}\n"
-
-
 def render(results: list[Result], scenarios: list[Scenario]) -> str:
-    """The readable table (markdown-ish, fixed width)."""
+    """The readable table (markdown-ish, fixed width), then one line per failed scenario
+    naming every problem. Columns: |Δρ| base = max |Δρ| against the baseline; W base = "same",
+    the common factor ("×2.00") or "changed" (— where not compared)."""
     head = (f"{'scenario':<30} {'ρ prefix':>9} {'ρ trie':>9} {'expect':>6} {'hook−closed':>11} "
-            f"{'|Δ| base':>9}  status")
+            f"{'|Δρ| base':>9} {'W base':>8}  status")
     lines = [head, "-" * len(head)]
     for r, sc in zip(results, scenarios):
         exp = f"{sc.expect['rho_prefix']}/{sc.expect['rho_trie']}"
         dev = "—" if r.hook_dev is None else f"{r.hook_dev:.1e}"
         dlt = "—" if r.delta is None else f"{r.delta:.1e}"
-        status = "FAIL: " + "; ".join(r.problems) if r.problems else "ok" + (
-            f" ({r.note})" if r.note else "")
+        status = "FAIL" if r.problems else "ok" + (f" ({r.note})" if r.note else "")
         lines.append(f"{r.key:<30} {max(r.rho_prefix):>9.3g} {max(r.rho_trie):>9.3g} {exp:>6} "
-                     f"{dev:>11} {dlt:>9}  {status}")
+                     f"{dev:>11} {dlt:>9} {r.w_base:>8}  {status}")
+    lines += [f"FAIL {r.key}: " + "; ".join(r.problems) for r in results if r.problems]
     return "\n".join(lines)
 
 
@@ -369,38 +322,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_baseline(path: Path | None, update: bool) -> dict:
-    """The baseline at `path` ({} for none); a missing file is an error unless --update writes it."""
-    if path is None:
-        return {}
-    if not path.is_file():
-        if update:
-            return {}
-        raise ValueError(f"--baseline: {path} does not exist (--update writes a new one)")
-    try:
-        base = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--baseline: {path} is not readable JSON ({e})") from None
-    if not isinstance(base, dict) or not isinstance(base.get("scenarios", {}), dict):
-        raise ValueError(f"--baseline: {path} is not a gradlab check baseline (a JSON object "
-                         "with 'scenarios')")
-    return base
-
-
-def _update(path: Path, base: dict, results: list[Result], fp: str | None, tol: dict,
-            partial: bool) -> int:
-    """Write the baseline (merged into the old one when only some scenarios ran)."""
-    bad = [r.key for r in results if r.problems]
-    if bad:
-        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate the invariants (docs/concepts/shared-nodes.md)")
-        return 1
-    new = baseline_dict(results, fp or base.get("fingerprint"), tol)
-    new["scenarios"] = {**(base.get("scenarios", {}) if partial else {}), **new["scenarios"]}
-    path.write_text(_dumps(new))
-    print(f"baseline written: {path} ({len(new['scenarios'])} scenarios)")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     return run_checked(_parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv))
@@ -410,10 +331,13 @@ def run_checked(a: argparse.Namespace) -> int:
     """`gradlab check` with parsed options: exit code 0 pass, 1 a violation, 2 bad arguments."""
     path = Path(a.baseline) if a.baseline else None if a.loss else BASELINE
     try:
-        base = read_baseline(path, a.update)
+        base = cb.read_baseline(path, a.update)
         scenarios = user_scenarios(a.loss, a.expect) if a.loss else builtin_scenarios()
         if a.loss and a.update and not a.baseline:
             raise ValueError("--update with --loss needs --baseline PATH (your own file)")
+        with one_thread():
+            cb.refuse_mixed_update(bool(a.update and (a.only or a.no_model)), base,
+                                   cb.fingerprint(torch.get_num_threads()))
     except (ValueError, ImportError) as e:
         print(f"gradlab check: error: {e}", file=sys.stderr)
         return 2
@@ -424,26 +348,38 @@ def run_checked(a: argparse.Namespace) -> int:
     if not scenarios:
         print(f"gradlab check: error: no scenario matches --only {a.only!r}", file=sys.stderr)
         return 2
-    tol = base.get("tolerance", DEFAULT_TOL)
     try:
-        results, fp = run(scenarios)
+        return check_scenarios(scenarios, base, path if a.update else None,
+                               partial=bool(a.only or a.no_model),
+                               residual=a.loss if a.expect == "residual" else None)
     except UserLossError as e:
         return report_raised(e)
+
+
+def check_scenarios(scenarios: list[Scenario], base: dict, update: Path | None = None,
+                    partial: bool = False, residual: str | None = None) -> int:
+    """Measure `scenarios`, hold them to the invariants and to `base` (a baseline dict, {} for
+    none), print the report; with `update`, write the baseline there instead of comparing
+    (merged into `base` when `partial`). residual: a loss that must show ρ > 0 somewhere.
+    Returns the exit code (0 pass, 1 a violation or change); raises UserLossError."""
+    tol = {**DEFAULT_TOL, **base.get("tolerance", {})}
+    results, now = run(scenarios)
     check_invariants(results, scenarios, tol)
-    msgs, notes = ([], []) if a.update else compare(results, base, fp, tol)
-    if a.loss and a.expect == "residual" and max(max(r.rho_prefix) for r in results) < tol["positive"]:
-        msgs.append(f"{a.loss}: expected a residual somewhere, but ρ < {tol['positive']:g} in "
+    msgs, notes = ([], []) if update else cb.compare(results, base, now, tol)
+    if residual and max(max(r.rho_prefix) for r in results) < tol["positive"]:
+        msgs.append(f"{residual}: expected a residual somewhere, but ρ < {tol['positive']:g} in "
                     "every scenario")
     print(render(results, scenarios))
     print("".join(f"note: {n}\n" for n in notes) + "".join(f"FAIL: {m}\n" for m in msgs), end="")
-    if a.update:
-        return _update(path, base, results, fp, tol, partial=bool(a.only or a.no_model))
+    if update:
+        return cb.write_baseline(update, base, results, now, tol, partial, MODEL, SEEDS)
     bad = [r.key for r in results if r.problems]
     if bad or msgs:
         print(f"gradlab check: {len(bad)} scenario(s) failed{': ' if bad else ''}{', '.join(bad)}")
         return 1
     print(f"gradlab check: all {len(results)} scenarios pass")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

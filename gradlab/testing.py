@@ -207,3 +207,79 @@ def optimizer_step_on(model, rollout, rows: Tensor, adv: Tensor,
     opt.step()
     model.zero_grad(set_to_none=True)
     model.eval()
+
+
+# --------------------------------------------------------------------------- the loop's step
+# The settings of `gradlab.loop.config.RunConfig` that one optimizer step of the training loop
+# depends on (loop/train.py, loop/update/step.py).
+TRAINING_DEFAULTS = ("lr", "weight_decay", "grad_clip", "temperature", "adv_scale")
+
+
+def training_defaults() -> dict:
+    """{lr, weight_decay, grad_clip, temperature, adv_scale} of `RunConfig()`, read at call time
+    (so a changed default, or a monkeypatched `gradlab.loop.config.RunConfig`, shows)."""
+    from .loop import config
+
+    cfg = config.RunConfig()
+    return {k: getattr(cfg, k) for k in TRAINING_DEFAULTS}
+
+
+def loop_step_on(model, rollout, rows: Tensor, adv: Tensor,
+                 loss_fn: Callable[[TokenBatch], Tensor], training: dict | None = None) -> None:
+    """One optimizer step of `model` on `rows` as the training loop takes it: AdamW (lr, weight
+    decay), log-probs at the temperature, the gradient norm clipped to grad_clip.
+
+    training: `training_defaults()` unless given; adv (N,) advantages of all rollout rows
+    (the loop scales them with training["adv_scale"]); rows (R,) long."""
+    from .loop.numerics.logprobs import token_logps
+
+    tr = training or training_defaults()
+    ro = rollout
+    opt = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
+    model.train()
+    logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
+                        ro.response_mask[rows], tr["temperature"])
+    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
+                       adv[rows], ro.group[rows])
+    loss_fn(batch).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+# --------------------------------------------------------------------------- a saved baseline
+def assert_matches_baseline(loss_fn: Callable[[TokenBatch], Tensor], path,
+                            expect: str = "cancels", model: bool = True,
+                            update: bool = False) -> None:
+    """`gradlab check` for `loss_fn` against the baseline file `path` (ρ and W per scenario).
+
+    Fails (AssertionError with the check's findings) on an invariant violation (expect:
+    "cancels" needs ρ ≈ 0 everywhere; "residual" or "none": baseline only) or any change
+    against the baseline: exact to float32 round-off on the machine that wrote it, within
+    tolerances on another. update=True writes the baseline instead (record it once, commit it);
+    a missing file is an error, so that CI never compares against nothing. model=False: the
+    synthetic scenarios only (well under a second; the model ones take a few seconds).
+    """
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from . import check
+
+    path = Path(path)
+    if not update and not path.is_file():
+        raise AssertionError(f"no baseline at {path}: record one with assert_matches_baseline("
+                             "..., update=True) and commit it")
+    label = "loss:" + getattr(loss_fn, "__name__", "loss")
+    scen = [s for s in check.loss_scenarios(loss_fn, label, expect)
+            if model or s.source == "synthetic"]
+    base = check.cb.read_baseline(path, update)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = check.check_scenarios(scen, base, path if update else None, partial=False,
+                                     residual=label if expect == "residual" else None)
+    if code:
+        found = [ln for ln in buf.getvalue().splitlines()
+                 if ln.startswith(("FAIL", "note", "gradlab check"))]
+        raise AssertionError(f"{label} against {path}:\n" + "\n".join(found))

@@ -1,0 +1,333 @@
+"""The baseline of `gradlab check`: what it records, and how a run is compared against it.
+
+Per scenario the baseline holds ρ (prefix and trie nodes, one value per seed) and a compact,
+exact record of W itself per seed (`w_record`): Σ W, Σ|W|, ‖W‖₂, two fixed random projections
+Σ W·r₁ and Σ W·r₂, and the number of tokens with W ≠ 0. ρ is scale-free; these are not, so a loss
+whose gradient is consistently rescaled, sign-flipped, or that drops a token is seen.
+
+The baseline also records the machine it was made on (`fingerprint`: CPU model, torch and
+transformers builds, the check's intra-op threads) and, for information only, the gradlab code
+hash. Two modes:
+
+  exact      same fingerprint: every number must agree to float32 round-off (EXACT_ULPS float32
+             ulps of its scale: 1 for ρ, Σ|W| of the seed for a W statistic); one AdamW step
+             with half the learning rate moves W by ~1e-3 of Σ|W|, round-off by ~1e-7.
+  tolerance  another fingerprint: ρ within `tolerance[source]["max_abs"]`, each W statistic
+             within `tolerance["W"][source]` × Σ|W| (float64 synthetic batches: 1e-9; the model:
+             1e-3, ~10⁴ × the 1e-7 measured between torch's vectorised and portable CPU kernels,
+             ~10⁻³ of a ×2 or ×0.5 rescale).
+
+A change of W by one common factor c (every statistic × c, the same tokens non-zero) is reported
+as "W scaled ×c against the baseline".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+
+import torch
+
+EPS32 = float(torch.finfo(torch.float32).eps)
+EXACT_ULPS = 16
+W_TOL = {"synthetic": 1e-9, "model": 1e-3}
+SIGNED = ("sum", "dot_r1", "dot_r2")  # flip sign with W
+UNSIGNED = ("sum_abs", "l2")
+LABEL = {"sum": "ΣW", "sum_abs": "Σ|W|", "l2": "‖W‖₂", "dot_r1": "ΣW·r₁", "dot_r2": "ΣW·r₂",
+         "nnz": "tokens with W≠0"}
+
+
+# ----------------------------------------------------------------------------- recording
+
+
+def _projection(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A fixed standard-normal (B, T) float64 tensor: the same for the same shape everywhere."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def w_record(W: torch.Tensor) -> dict:
+    """Statistics of W (B, T) (any float dtype; summed in float64): sum, sum_abs, l2, dot_r1,
+    dot_r2 (Σ W·r for fixed random r), nnz (tokens with W ≠ 0). Units: those of W."""
+    w = W.detach().double().cpu()
+    return {"sum": float(w.sum()), "sum_abs": float(w.abs().sum()), "l2": float(w.norm()),
+            "dot_r1": float((w * _projection(w.shape, 1)).sum()),
+            "dot_r2": float((w * _projection(w.shape, 2)).sum()), "nnz": int((w != 0).sum())}
+
+
+def fingerprint(threads: int) -> dict:
+    """What makes the check's numbers bitwise reproducible: CPU model, torch and transformers
+    builds, and the intra-op threads the check computes with."""
+    import transformers
+
+    from .provenance import cpu_model
+
+    return {"cpu_model": cpu_model(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": threads}
+
+
+def code_hash(skip: Path) -> str:
+    """`provenance.code_hash` without the file `skip` (the baseline itself, which is package
+    data: writing it must not change the hash it records)."""
+    import hashlib
+
+    from .provenance import PACKAGE
+
+    h = hashlib.sha256()
+    for p in sorted(PACKAGE.rglob("*")):
+        if (p.is_file() and p != skip.resolve() and "__pycache__" not in p.parts
+                and p.suffix not in (".pyc", ".pyo")):
+            h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
+            h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def environment() -> dict:
+    import transformers
+
+    from . import __version__
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "gradlab": __version__,
+            "platform": platform.platform(), "machine": platform.machine(), "threads": 1}
+
+
+def diff(old: dict, new: dict) -> str:
+    """`key: old → new` for every key that differs ("" when none)."""
+    return "; ".join(f"{k}: {old.get(k)} → {v}" for k, v in new.items() if old.get(k) != v)
+
+
+# ----------------------------------------------------------------------------- comparing W
+
+
+def _changes(new: list[dict], old: list[dict], atol: list[float]) -> list[str]:
+    """Every W statistic (per seed) outside its tolerance, as `stat [seed s] old → new`."""
+    out = []
+    for s, (n, o, a) in enumerate(zip(new, old, atol)):
+        where = f" [seed {s}]" if len(new) > 1 else ""
+        for k in (*SIGNED, *UNSIGNED):
+            if not abs(n[k] - o[k]) <= a:  # NaN counts as a change
+                out.append(f"{LABEL[k]}{where} {o[k]:.6g} → {n[k]:.6g}")
+        if n["nnz"] != o["nnz"]:
+            out.append(f"{LABEL['nnz']}{where} {o['nnz']} → {n['nnz']}")
+    return out
+
+
+def common_factor(new: list[dict], old: list[dict], atol: list[float]) -> float | None:
+    """c when every statistic of `new` is c × that of `old` within c × atol (the same tokens
+    non-zero), else None. c < 0: the sign flipped."""
+    if any(n["nnz"] != o["nnz"] for n, o in zip(new, old)):
+        return None
+    uo = [o[k] for o in old for k in UNSIGNED]
+    un = [n[k] for n in new for k in UNSIGNED]
+    den = sum(x * x for x in uo)
+    if not den > 0 or not all(math.isfinite(x) for x in un):
+        return None
+    c = sum(x * y for x, y in zip(un, uo)) / den
+    so = [(o[k], a) for o, a in zip(old, atol) for k in SIGNED]
+    sn = [n[k] for n in new for k in SIGNED]
+    flip = sum(x * y for x, (y, _) in zip(sn, so)) < 0
+    signed = -c if flip else c
+    ok_u = all(abs(n[k] - c * o[k]) <= c * a for n, o, a in zip(new, old, atol) for k in UNSIGNED)
+    ok_s = all(abs(x - signed * y) <= c * a for x, (y, a) in zip(sn, so))
+    return signed if c > 0 and ok_u and ok_s else None
+
+
+def factor_text(c: float) -> str:
+    """×c with enough digits to differ from ×1.00 (a factor 1.0001 is not "×1.00")."""
+    for d in (2, 4, 6, 8):
+        txt = f"{c:.{d}f}"
+        if float(txt) not in (1.0, 0.0):
+            break
+    return "×" + txt.replace("-", "−")
+
+
+def compare_w(new: list[dict], old: list[dict], rel: float) -> str | None:
+    """None when W matches the baseline (each statistic within rel × Σ|W| of its seed), else
+    one message: "W scaled ×c against the baseline" or the statistics that changed."""
+    if len(new) != len(old):
+        return f"W: baseline has {len(old)} seed(s), this run {len(new)}"
+    atol = [rel * o["sum_abs"] for o in old]
+    changed = _changes(new, old, atol)
+    if not changed:
+        return None
+    c = common_factor(new, old, atol)
+    if c is not None:
+        flip = " (sign flipped)" if c < 0 else ""
+        return f"W scaled {factor_text(c)} against the baseline{flip}"
+    return "W changed: " + listed(changed)
+
+
+def listed(items: list[str], n: int = 4) -> str:
+    """The first n items, comma-separated, and how many more."""
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+# ----------------------------------------------------------------------------- comparing a run
+
+
+def mode(base: dict, now: dict, tol: dict) -> tuple[bool, str]:
+    """(exact?, the line saying how the run is compared): exact on the baseline's fingerprint."""
+    fp, old = now["fingerprint"], base.get("fingerprint") or {}
+    ulps = tol.get("exact_ulps", EXACT_ULPS)
+    if old == fp:
+        return True, (f"baseline made on this machine ({fp['cpu_model']}, torch {fp['torch']}, "
+                      f"{fp['threads']} thread(s)): compared exactly, to float32 round-off "
+                      f"({ulps} ulps: |Δρ| ≤ {ulps * EPS32:.1e}, each W statistic within "
+                      f"{ulps * EPS32:.1e} × Σ|W|)")
+    w = tol.get("W", W_TOL)
+    why = diff(old, fp) if old else "no machine fingerprint in the baseline"
+    return False, (f"baseline made on another machine ({why}): compared with tolerances "
+                   f"(|Δρ| ≤ {tol['synthetic']['max_abs']:g} synthetic, "
+                   f"{tol['model']['max_abs']:g} model; each W statistic within "
+                   f"{w['synthetic']:g} × Σ|W| synthetic, {w['model']:g} × Σ|W| model)")
+
+
+def _rho_changes(new: list[float], old: list[float], atol: float, name: str) -> list[str]:
+    seeds = len(new) > 1
+    return [f"{name}{f' [seed {s}]' if seeds else ''} {o:.6g} → {n:.6g}"
+            for s, (n, o) in enumerate(zip(new, old)) if not abs(n - o) <= atol]
+
+
+def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
+    """ρ and W of result `r` against its baseline entry `b`: problems appended to r.problems
+    (every changed number named), r.delta set; returns the signed Δρ (for the mean drift)."""
+    ulps = tol.get("exact_ulps", EXACT_ULPS)
+    atol = min(ulps * EPS32, tol[src]["max_abs"]) if exact else tol[src]["max_abs"]
+    new, old = r.rho_prefix + r.rho_trie, b["rho_prefix"] + b["rho_trie"]
+    if len(new) != len(old):
+        r.problems.append("baseline has a different number of seeds")
+        return []
+    d = [x - y for x, y in zip(new, old)]
+    r.delta = max(abs(x) for x in d)
+    if not r.delta <= atol:
+        ch = (_rho_changes(r.rho_prefix, b["rho_prefix"], atol, "ρ prefix")
+              + _rho_changes(r.rho_trie, b["rho_trie"], atol, "ρ trie"))
+        r.problems.append(f"|Δρ| {r.delta:.3g} > {atol:.2g} vs baseline ({listed(ch)})")
+    if "W" not in b:
+        r.note = "baseline has no W record: ρ only; --update records W"
+    else:
+        rel = ulps * EPS32 if exact else tol.get("W", W_TOL)[src]
+        msg = compare_w(r.W, b["W"], rel)
+        r.w_base = "same" if msg is None else (msg.split()[2] if msg.startswith("W scaled")
+                                                else "changed")
+        if msg:
+            r.problems.append(msg)
+    return d
+
+
+def compare(results: list, base: dict, now: dict, tol: dict) -> tuple[list[str], list[str]]:
+    """Every result against the baseline (see the module doc). now: this run's fingerprint,
+    rollout hash (None without model scenarios), code hash and training settings. Returns
+    (failures not tied to one scenario, notes); per-scenario problems go to each result."""
+    if not base:
+        for r in results:
+            r.note = "no baseline"
+        return [], []
+    exact, line = mode(base, now, tol)
+    notes, msgs = [line], []
+    scen = base.get("scenarios", {})
+    same_rollout = now["rollout"] is not None and now["rollout"] == base.get("rollout")
+    if now["rollout"] is not None and not same_rollout:
+        text = f"the model rollout differs from the baseline's ({now['rollout']} vs {base.get('rollout')})"
+        (msgs if exact else notes).append(
+            text + (" on the same machine: the sampler, task or policy changed" if exact else
+                    f" ({diff(base.get('environment', {}), environment()) or 'same environment'});"
+                    " model scenarios are checked against the invariants only"))
+    if exact and base.get("code_hash") not in (None, now["code_hash"]):
+        notes.append(f"code differs from the baseline's (code hash {base['code_hash']} → "
+                     f"{now['code_hash']}): not part of the match")
+    old_train = base.get("model_setup", {}).get("training")
+    if now["rollout"] is not None and old_train and old_train != now["training"]:
+        notes.append(f"RunConfig training defaults differ from the baseline's "
+                     f"({diff(old_train, now['training'])}): model/*/off scenarios see it in W")
+    deltas: dict[str, list[float]] = {"synthetic": [], "model": []}
+    for r in results:
+        src = r.key.split("/")[0]
+        if r.key not in scen:
+            r.note = "no baseline"
+        elif src == "model" and not same_rollout:
+            if exact:
+                r.problems.append("rollout differs from the baseline's")
+            else:
+                r.note = "samples differ from baseline: not compared"
+        else:
+            deltas[src] += compare_one(r, scen[r.key], src, exact, tol)
+    for src, d in deltas.items():
+        if d and not abs(sum(d) / len(d)) <= tol[src]["mean"]:
+            msgs.append(f"{src}: mean Δρ {sum(d) / len(d):+.3g} over {len(d)} values exceeds "
+                        f"the mean-drift tolerance {tol[src]['mean']:g}")
+    return msgs, notes
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def read_baseline(path: Path | None, update: bool) -> dict:
+    """The baseline at `path` ({} for none); a missing file is an error unless --update writes it."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        if update:
+            return {}
+        raise ValueError(f"--baseline: {path} does not exist (--update writes a new one)")
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--baseline: {path} is not readable JSON ({e})") from None
+    if not isinstance(base, dict) or not isinstance(base.get("scenarios", {}), dict):
+        raise ValueError(f"--baseline: {path} is not a gradlab check baseline (a JSON object "
+                         "with 'scenarios')")
+    if isinstance(base.get("fingerprint"), str):  # a ρ-only baseline: its rollout hash
+        base = {**base, "rollout": base["fingerprint"], "fingerprint": {}}
+    return base
+
+
+def baseline_dict(results: list, now: dict, tol: dict, model_setup: dict, seeds) -> dict:
+    """The baseline file's content: machine fingerprint, code hash (recorded, not matched),
+    rollout hash and training settings of the model scenarios, ρ and W per scenario."""
+    from .provenance import git_state
+
+    return {"gradlab_check": 2, "environment": environment(), "fingerprint": now["fingerprint"],
+            "code_hash": now["code_hash"], "commit": git_state()["commit"], "tolerance": tol,
+            "rollout": now["rollout"], "model_setup": {**model_setup, "training": now["training"]},
+            "seeds": list(seeds),
+            "scenarios": {r.key: {"rho_prefix": r.rho_prefix, "rho_trie": r.rho_trie, "W": r.W}
+                          for r in results}}
+
+
+def write_baseline(path: Path, base: dict, results: list, now: dict, tol: dict, partial: bool,
+                   model_setup: dict, seeds) -> int:
+    """Write the baseline (merged into `base` when only some scenarios ran); refused (1) when a
+    scenario violates the invariants."""
+    bad = [r.key for r in results if r.problems]
+    if bad:
+        print(f"gradlab check: not updating {path}: {len(bad)} scenario(s) violate the "
+              "invariants (docs/concepts/shared-nodes.md)")
+        return 1
+    if now["rollout"] is None:  # no model scenario ran: keep the baseline's model setup
+        now = {**now, "rollout": base.get("rollout"),
+               "training": base.get("model_setup", {}).get("training")}
+    new = baseline_dict(results, now, tol, model_setup, seeds)
+    new["scenarios"] = {**(base.get("scenarios", {}) if partial else {}), **new["scenarios"]}
+    path.write_text(dumps(new))
+    print(f"baseline written: {path} ({len(new['scenarios'])} scenarios)")
+    return 0
+
+
+def refuse_mixed_update(partial_update: bool, base: dict, fp: dict) -> None:
+    """ValueError for --update with --only/--no-model into a baseline made on another machine:
+    its other scenarios would then be judged exactly as this machine's."""
+    if partial_update and base.get("scenarios") and base.get("fingerprint") != fp:
+        raise ValueError("--update with --only/--no-model would merge into a baseline made on "
+                         "another machine; rerun --update without them")
+
+
+def dumps(d: dict) -> str:
+    """JSON with one line per scenario (readable diffs in review)."""
+    d = dict(d)
+    scen = d.pop("scenarios")
+    body = json.dumps(d, indent=1)[:-2]
+    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in scen.items())
+    return body + ',\n "scenarios": {\n' + rows + "\n }\n}\n"
