@@ -23,7 +23,7 @@ from gradlab.stats import paired_interval
 
 SEED_KEYS = ["experiment", "task", "layout", "matched", "objective"]
 PAIRED = ("heldout_acc", "train_acc_last5", "heldout_sampled")
-BLOCK = re.compile(r"<!-- data:([\w\-:/.]+) -->(.*?)<!-- /data -->", re.S)
+BLOCK = re.compile(r"<!-- data:([\w\-:/.]+) -->([^<]*)<!-- /data -->")  # body: no markup
 
 
 def _group_stats(df: pd.DataFrame, keys: list[str], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
