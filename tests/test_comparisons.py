@@ -82,3 +82,29 @@ def test_published_comparisons_recompute_from_their_seeds_files():
         for col in ("mean_diff", "lo", "hi", "p_value", "p_holm"):
             assert again[col].to_numpy() == pytest.approx(rows[col].to_numpy(), rel=1e-4,
                                                           abs=1e-6, nan_ok=True), (exp, col)
+
+
+@pytest.mark.parametrize("md, experiments", [
+    ("figure3.md", {"figure3"}), ("scaffold/figure3.md", {"figure3-scaffold"}),
+    ("ablations.md", {"ablations", "figure3"}),
+    ("scaffold/ablations.md", {"ablations-scaffold", "figure3-scaffold"})])
+def test_every_published_held_out_difference_is_a_row(md, experiments):
+    """One row per published comparison: each held-out − GSPO interval of Figure 3's and
+    Tables 2 and 3's tables prints as a row of comparisons.csv of its experiments."""
+    from analyses.quoted import PATTERNS, near
+
+    table = pd.read_csv(FIGURES / "comparisons.csv")
+    rows = table[table["experiment"].isin(experiments)]
+    cells = []
+    for line in (FIGURES / md).read_text().splitlines():
+        cols = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and any("held-out" in c and "−" in c for c in cols):
+            which = [i for i, c in enumerate(cols) if "held-out" in c and "−" in c]
+        elif line.startswith("|") and "---" not in line:
+            cells += [cols[i] for i in which if PATTERNS["interval"].search(cols[i])]
+    assert len(cells) >= 3, md
+    for cell in cells:
+        m, lo, hi, p = PATTERNS["interval"].search(cell).groups()
+        hit = (near(m, rows["mean_diff"].to_numpy()) & near(lo, rows["lo"].to_numpy())
+               & near(hi, rows["hi"].to_numpy()) & near(p, rows["p_value"].to_numpy()))
+        assert hit.any(), f"{md}: '{cell}' has no row in comparisons.csv ({sorted(experiments)})"
