@@ -37,7 +37,7 @@ def _load(target: str):
     key = (target, path.resolve(), path.stat().st_mtime_ns) if path.suffix == ".py" and \
         path.is_file() else (target,)
     if key not in _LOADED:
-        _LOADED[key] = load_loss(target, "--objectives")
+        _LOADED[key] = load_loss(target, "objective")
     return _LOADED[key]
 
 

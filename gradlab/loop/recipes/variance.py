@@ -111,7 +111,8 @@ def load_measured_policy(checkpoint: str | Path | None, task_name: str, task) ->
 
 
 def build(names: list[str], adv_scale: str) -> dict[str, objectives.Objective]:
-    """name → objective; one that scales its own advantages (IBPO) takes `adv_scale`."""
+    """label → objective (a user loss's label: its name= or function); one that scales its
+    own advantages (IBPO) takes `adv_scale`."""
     out = {}
     for n in names:
         try:
@@ -120,7 +121,7 @@ def build(names: list[str], adv_scale: str) -> dict[str, objectives.Objective]:
             raise ConfigError(f"--objectives: {e}") from None
         if getattr(obj, "scale", "") is None:
             obj.scale = adv_scale
-        out[n] = obj
+        out[objectives.variants.label(n)] = obj
     return out
 
 
