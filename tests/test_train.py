@@ -151,3 +151,52 @@ def test_no_probes_trains_with_plain_metrics_only(tmp_path):
     ms = set(gradlab.load_run(tmp_path / "np")["metric"])
     assert {"reward", "accuracy", "loss", "grad_norm", "entropy", "clip_frac"} <= ms
     assert not any(m.startswith(("rho", "tax", "drift", "probe")) for m in ms)
+
+
+def _never_task(path: Path) -> str:
+    """A JSONL task whose answer no response gives: every reward 0, every group tied."""
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "never"}) + "\n"
+                            for p in ("3+4=?", "10+25=?", "12+5=?")))
+    return str(path)
+
+
+def test_every_group_tied_gives_undefined_not_zero(tmp_path):
+    """W ≡ 0 (every group tied): ρ, the tax share and the other zero-denominator ratios are NaN
+    in the store, never 0; the counts and sums stay numbers; the end-of-run table prints "—"
+    with the reason."""
+    from gradlab.viz.summary import run_table
+
+    cfg = RunConfig(out=str(tmp_path / "tied"), objectives=["grpo"], steps=2, prompts=2, G=4,
+                    minibatches=1, tax_every=1, progress=False, probe_contexts=2,
+                    task=_never_task(tmp_path / "never.jsonl"))
+    train(cfg)
+    wide = gradlab.load_run(cfg.out, wide=True)
+    assert (wide["zero_std_share"] == 1).all() and (wide["n_shared_prefix"] > 0).all()
+    assert (wide["scale_prefix"] == 0).all() and (wide["total_norm"] == 0).all()
+    for m in ("rho_prefix", "rho_trie", "tax_share", "tax_cos", "adv_branch_share"):
+        assert wide[m].isna().all(), m  # undefined: NaN (null in metrics.jsonl), not 0
+    for m in ("reward", "residual_prefix", "tax_norm", "adv_nonzero_frac"):
+        assert (wide[m] == 0).all(), m  # measured zeros stay numbers
+    assert (wide["n_tokens"] > 0).all()
+    table = run_table(cfg.out)
+    row = next(line for line in table.splitlines() if line.startswith("| grpo"))
+    assert row == "| grpo | 0 | —¹ | —² | —² | —² |", row
+    assert "—¹ not measured" in table and "—² undefined (no gradient: every group tied)" in table
+    assert "| 0 |" not in row.replace("| grpo | 0 |", "")  # no 0 cell for an undefined ratio
+
+
+def test_no_full_group_token_gives_undefined_rho(tmp_path):
+    """At temperature 50 the two responses of each group differ from the first token: no
+    node, so ρ is undefined there (NaN), and the table says "no full-group token"."""
+    from gradlab.viz.summary import run_table
+
+    cfg = RunConfig(out=str(tmp_path / "hot"), objectives=["grpo"], steps=2, prompts=2, G=2,
+                    minibatches=1, tax_every=1, progress=False, probe_contexts=2,
+                    temperature=50.0)
+    train(cfg)
+    wide = gradlab.load_run(cfg.out, wide=True)
+    assert (wide["n_shared_prefix"] == 0).all() and (wide["n_shared_trie"] == 0).all()
+    assert wide["rho_prefix"].isna().all() and wide["rho_trie"].isna().all()
+    assert wide["entropy_shared"].isna().all() and (wide["shared_frac_prefix"] == 0).all()
+    table = run_table(cfg.out)
+    assert "undefined (no full-group token)" in table and "undefined (no shared token)" in table
