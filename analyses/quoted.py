@@ -11,15 +11,19 @@ hyper-parameter or a size is never picked up:
   p          "p P", "Holm P": a p-value (raw or Holm-adjusted) of some comparison
   spread     "x ± s": one group's mean and sd over seeds
   value      any other number in a results table (a row holding an interval), except its
-             first column and columns headed "paper": one record's value
+             first column and columns headed "paper" (the paper's numbers): a value of the
+             files of an experiment that one of the row's intervals comes from
 
 Each number matches a value v at its printed precision (|v − q| ≤ half a unit of the last
 printed digit; "−" is a minus), in the data's units or ×100 (accuracy 0..1 quoted in points or
 %). Records come from figures/comparisons.csv, every seeds file (per group: mean, t interval,
-sd; paired differences between objectives, or one objective across layouts), the long tables
-(grouped over seeds, steps and batches; a metric with `_lo`/`_hi` siblings is an interval) and
-every numeric [m, lo, hi] in the JSON files. Prose that quotes derived numbers (shares, ratios)
-is written from data instead: data.BLOCKS names each block's function.
+sd; paired differences between the objectives of one layout), the long tables (grouped over
+seeds, steps and batches; a metric with `_lo`/`_hi` siblings is an interval) and every numeric
+[m, lo, hi] and number in the JSON files. Percentages, × ratios and "a to b" ranges in prose are
+not matched one by one: thousands of stored values match nearly any two-digit number, so that
+check could not fail. Prose built on such derived numbers (a share averaged over steps, a ratio
+of two experiments) is a data block instead, rewritten from data by
+analyses.quoted_data.BLOCKS.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import pandas as pd
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analyses.quoted_data import BLOCKS, render  # noqa: E402
+from analyses.quoted_data import render  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
@@ -49,8 +53,8 @@ PATTERNS = {
     "p": re.compile(rf"(?:(?<![\w.])p|Holm(?:-adjusted)?(?: p)?)\s({NUM})(?![\d.])"),
     "spread": re.compile(rf"(?<![\w.])({NUM})\s?%?\s±\s({NUM})"),
 }
-SEED_DROP = {"seed"}  # what a seeds-file group averages over
-LONG_DROP = {"seed", "step", "batch", "opt_step", "eval_seed", "tokens", "run", "parted_at"}
+LONG_DROP = {  # what a long table's groups average over
+    "seed", "step", "batch", "opt_step", "eval_seed", "tokens", "run", "parted_at"}
 
 
 @dataclass
