@@ -119,3 +119,66 @@ def test_end_of_run_tables():
     v = variance_rows(var).set_index("objective")
     assert v.loc["ibpo", "noise_ratio_vs_grpo"] == 0.75 and np.isnan(v.loc["grpo", "noise_ratio_vs_grpo"])
     assert "| ibpo | 1.5 [1, 2] |" in variance_table(var)
+
+
+def _undefined_table() -> pd.DataFrame:
+    """Three objectives over 4 steps, as the loop stores them: "part" has ρ undefined at steps
+    1 and 2 (every group tied: scale 0), "tied" at every step, "nonode" has no full-group
+    token at any step; the counts and sums that say why sit beside ρ."""
+    rows = []
+    for obj in ("part", "tied", "nonode"):
+        for step in range(4):
+            tied = obj == "tied" or (obj == "part" and step in (1, 2))
+            nodes = 0.0 if obj == "nonode" else 12.0
+            scale = 0.0 if tied or obj == "nonode" else 2.0
+            rho = float("nan") if scale == 0 else 0.1 * (step + 1)
+            rows += [(obj, step, "rho_prefix", rho), (obj, step, "n_shared_prefix", nodes),
+                     (obj, step, "scale_prefix", scale), (obj, step, "reward", 0.5),
+                     (obj, step, "zero_std_share", 1.0 if tied else 0.5),
+                     (obj, step, "tax_share", float("nan") if tied else 0.01),
+                     (obj, step, "total_norm", 0.0 if tied else 1.0)]
+    d = pd.DataFrame(rows, columns=["objective", "step", "metric", "value"])
+    d["run"], d["seed"], d["tokens"] = "r", 0, d["step"] * 100
+    return d
+
+
+def test_undefined_steps_are_skipped_in_means_and_said_in_tables():
+    from gradlab.viz.summary import run_rows
+
+    rows = run_rows(_undefined_table()).set_index("objective")
+    # the mean over the defined steps 0 and 3 only: (0.1 + 0.4) / 2, exactly pandas' nan-skipping mean
+    assert rows.loc["part", "rho_prefix"] == pd.Series([0.1, 0.4]).mean()
+    assert pd.isna(rows.loc["part", "why_rho_prefix"])  # defined: no reason
+    assert np.isnan(rows.loc["tied", "rho_prefix"]) and np.isnan(rows.loc["tied", "tax_share"])
+    assert rows.loc["tied", "why_rho_prefix"] == "no gradient: every group tied"
+    assert rows.loc["tied", "why_tax_share"] == "no gradient: every group tied"
+    assert np.isnan(rows.loc["nonode", "rho_prefix"])
+    assert rows.loc["nonode", "why_rho_prefix"] == "no full-group token"
+    assert rows.loc["nonode", "tax_share"] == pytest.approx(0.01)  # g ≠ 0, no residual: defined
+    assert rows.loc["part", "why_rho_trie"] == "not measured"
+
+
+def test_undefined_rho_is_a_gap_with_its_reason():
+    fig = viz.training_curves(_undefined_table(), x="step")
+    rho = next(ax for ax in fig.axes if ax.get_title().startswith("cancellation ratio ρ (full"))
+    assert "gaps: undefined (no gradient: every group tied, no full-group token)" in rho.get_title()
+    assert "measured every" not in rho.get_title()  # an undefined step was measured
+    part = [line for line in rho.lines if np.isfinite(line.get_ydata()).sum() == 2]
+    assert len(part) == 1  # "part": steps 0 and 3 drawn, 1 and 2 a gap (NaN), never a 0
+    x, y = np.asarray(part[0].get_xdata(), float), np.asarray(part[0].get_ydata(), float)
+    assert list(x) == [0, 1, 2, 3] and np.isnan(y[1:3]).all() and y[0] == pytest.approx(0.1)
+    only_tied = _undefined_table().query("objective == 'tied'")
+    fig = viz.training_curves(only_tied, x="step")
+    empty = next(ax for ax in fig.axes if ax.get_title().startswith("cancellation ratio ρ (full"))
+    assert empty.get_title().endswith("— undefined (no gradient: every group tied)")
+    assert not empty.lines and "undefined at every step" in empty.texts[0].get_text()
+
+
+def test_strip_rho_of_a_tied_group_is_undefined():
+    b = random_batch(n_groups=2, G=4, T=10, seed=2)
+    tr, _ = traces_of(b, ("grpo",))
+    tr["W"], tr["A"] = 0.0, 0.0  # a tied group: W ≡ 0
+    df = viz.strip_table(tr, group=0)
+    assert np.isnan(df.attrs["rho"]["grpo"])
+    fig = viz.token_strips(df)
+    assert "ρ = — (no gradient at shared tokens)" in fig.axes[0].get_title()

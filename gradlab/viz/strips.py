@@ -70,10 +70,19 @@ def _telling_group(t: pd.DataFrame) -> int:
 
 
 def node_rho(df: pd.DataFrame) -> dict:
-    """ρ of the shown group per panel: Σ_n |Σ_i W| / Σ_n Σ|W| over full-group positions."""
+    """ρ of the shown group per panel: Σ_n |Σ_i W| / Σ_n Σ|W| over full-group positions; NaN
+    (undefined) where W ≡ 0 there (a tied group) or the panel has no full-group position."""
     s = group_sums(df)
-    return {p: float(d["sum"].abs().sum() / d["mass"].sum()) if d["mass"].sum() > 0 else 0.0
-            for p, d in s.groupby("panel", sort=False)}
+    out = {p: float(d["sum"].abs().sum() / d["mass"].sum()) if d["mass"].sum() > 0 else np.nan
+           for p, d in s.groupby("panel", sort=False)}
+    return {p: out.get(p, np.nan) for p in dict.fromkeys(df["panel"])}
+
+
+def _rho_text(rho: float, has_nodes: bool) -> str:
+    """"ρ = 0.12", or "ρ = — (…)" with the reason where it is undefined."""
+    if not np.isnan(rho):
+        return f"ρ = {rho:.2g}"
+    return "ρ = — (" + ("no gradient at shared tokens" if has_nodes else "no full-group token") + ")"
 
 
 def group_sums(df: pd.DataFrame) -> pd.DataFrame:
@@ -106,8 +115,9 @@ def token_strips(df: pd.DataFrame, title: str | None = None, caption: str | None
         _panel(ax, df[df["panel"] == p], s, scale, G, T)
         top = s["sum"].abs().max() if len(s) else 0.0
         clip = df[df["panel"] == p]["clip_frac"].iloc[0] if "clip_frac" in df else np.nan
-        ax.set_title(f"{p}\nmax |Σ_i W| at shared tokens = {top:.1e}  (ρ = {rho.get(p, np.nan):.2g},"
-                     f" clip frac {clip:.3f})", fontsize=9)
+        ax.set_title(f"{p}\nmax |Σ_i W| at shared tokens = {top:.1e}  "
+                     f"({_rho_text(rho.get(p, np.nan), len(s) > 0)}, clip frac {clip:.3f})",
+                     fontsize=9)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(title or f"Measured W (×{scale:.0e}): blue = shared by the whole group, light blue "
