@@ -23,7 +23,7 @@ from gradlab.stats import paired_interval
 
 SEED_KEYS = ["experiment", "task", "layout", "matched", "objective"]
 PAIRED = ("heldout_acc", "train_acc_last5", "heldout_sampled")
-BLOCK = re.compile(r"<!-- data:([\w\-:/.]+) -->([^<]*)<!-- /data -->")  # body: no markup
+BLOCK = re.compile(r"<!-- data:([\w\-:/.\[\]=]+) -->([^<]*)<!-- /data -->")  # body: no markup
 
 
 def _group_stats(df: pd.DataFrame, keys: list[str], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +111,19 @@ def gspo_tax_steps(figures: Path, folder: str) -> str:
             f"max {100 * v.max():.2g} %")
 
 
-BLOCKS = {"gspo-tax": gspo_tax, "gspo-tax-ratio": gspo_tax_ratio, "gspo-tax-steps": gspo_tax_steps}
+def tax_ratio(figures: Path, arg: str) -> str:
+    """'3.7 %': objective a's mean tax share over objective b's in one experiment's seeds file
+    ('EXP:a/b'; its independent-layout rows where it has layouts)."""
+    exp, _, pair = arg.partition(":")
+    a, b = pair.split("/")
+    s = pd.read_csv(figures / f"{exp}_seeds.csv")
+    s = s[s["layout"] == "independent"] if "layout" in s else s
+    tax = s.groupby("objective")["tax_share"].mean()
+    return "— (zero denominator)" if tax[b] == 0 else f"{100 * tax[a] / tax[b]:.2g} %"
+
+
+BLOCKS = {"gspo-tax": gspo_tax, "gspo-tax-ratio": gspo_tax_ratio, "gspo-tax-steps": gspo_tax_steps,
+          "tax-ratio": tax_ratio}
 
 
 def render(text: str, figures: Path) -> str:
