@@ -85,3 +85,22 @@ def test_page_in_headless_chromium(page_file):
     assert w == pytest.approx(float(row["W"]), rel=1e-5) and w != 0
     wc = float(re.search(r"W closed form = (\S+)", detail).group(1))
     assert wc == pytest.approx(float(row["W_closed"]), rel=1e-5)
+
+
+def test_page_of_a_tied_run_says_undefined_never_zero(tmp_path):
+    """Every group tied (a task no response solves): the page's table has "—" with the reason
+    for ρ and the tax share, never a 0 cell, and the ρ panel says why it is empty."""
+    task = tmp_path / "never.jsonl"
+    task.write_text('{"prompt": "3+4=?", "answer": "never"}\n{"prompt": "1+2=?", "answer": "never"}\n')
+    train(RunConfig(out=str(tmp_path / "run"), objectives=["grpo"], steps=1, prompts=2, G=4,
+                    minibatches=1, probe_contexts=2, tax_every=1, trace_every=1,
+                    progress=False, task=str(task)))
+    assert main(["view", str(tmp_path / "run"), "--out", str(tmp_path / "p.html")]) == 0
+    text = (tmp_path / "p.html").read_text()
+    table = text[text.index('<table id="summary">'):text.index("</table>")]
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", table)
+    assert cells[0] == "grpo" and cells[1] == "0"  # reward 0: measured
+    assert cells[3:] == ["—²", "—²", "—²"], cells  # ρ trie, ρ full-group, tax share
+    assert table.count('title="no gradient: every group tied"') == 3
+    assert "—² undefined (no gradient: every group tied)" in text
+    assert "undefined at every step" in text  # the empty ρ panel of the curves says why
