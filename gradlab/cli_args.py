@@ -239,19 +239,46 @@ REFERENCE = str(Path(__file__).resolve().parent / "data" / "reproduce_reference.
 
 
 def add_check_arg(p: argparse.ArgumentParser) -> None:
-    """reproduce's --check [REFERENCE]."""
+    """reproduce's --check [REFERENCE], --save-reference FILE, --seeds K and --fresh."""
     p.add_argument("--check", nargs="?", const=REFERENCE, default=None, metavar="REFERENCE",
-                   help="after the run, compare its numbers with the reference bands (the "
-                   "shipped main-job reference by default) and print inside / outside per "
-                   "number; exit 1 when any is outside (docs/guides/comparisons.md)")
+                   help="run the main job with the current code and compare it with a "
+                   "reference: one saved by --save-reference on the same CPU model, torch and "
+                   "threads is re-run at its own configuration and compared exactly (every "
+                   "summary number and per-step series), otherwise each number gets a t test "
+                   "against the reference's seeds (the shipped reference by default); exit 1 "
+                   "on any change (docs/guides/comparisons.md)")
+    p.add_argument("--save-reference", default=None, metavar="FILE",
+                   help="run the main job (--seeds K seeds from --seed) and save this machine's "
+                   "reference for --check FILE: configuration, summary numbers, per-step "
+                   "series, CPU model, torch, threads and code hash")
+    p.add_argument("--seeds", type=int, default=None, metavar="K",
+                   help="seeds of --check (default 1; a saved reference: all its seeds) and "
+                   "--save-reference (default 1); more seeds detect smaller shifts")
+    p.add_argument("--fresh", action="store_true",
+                   help="--check / --save-reference: re-train even where --out holds a "
+                   "finished run of this code (a run of other code is never reused)")
 
 
-def load_check_reference(path: str) -> dict:
-    """The reference of --check; a missing or corrupt file is a one-line option error."""
+def load_check_reference(a: argparse.Namespace) -> dict | None:
+    """The reference of --check (None without it), after the options of the check are checked;
+    a missing or corrupt file, or options that do not go together, is a one-line error."""
+    if a.seeds is not None:
+        require("seeds", a.seeds, a.seeds >= 1, "≥ 1")
+    if a.check and a.save_reference:
+        raise ConfigError("--check and --save-reference: one at a time (save the reference, "
+                          "then check against it)")
+    if not (a.check or a.save_reference) and (a.seeds is not None or a.fresh):
+        raise ConfigError(f"{'--seeds' if a.seeds is not None else '--fresh'}: only with "
+                          "--check or --save-reference")
+    if a.save_reference and a.resume:
+        raise ConfigError("--save-reference with --resume: a reference is made from finished "
+                          "runs of the current code; drop --resume")
+    if not a.check:
+        return None
     from .loop.recipes.reference import load_reference
 
     try:
-        return load_reference(path)
+        return load_reference(a.check)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"--check: {e}") from None
 

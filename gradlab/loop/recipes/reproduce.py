@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
 from ... import viz as plots
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..faults.atomic import write_file, writing
 from ..runs.lock import acquire
 from ..runs.resume import reproduce_action
@@ -80,8 +82,211 @@ def _write(cfg: RunConfig, tidy: pd.DataFrame, path: Path, t_train: float, actio
           f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G}, "
           f"{cfg.minibatches} optimizer steps per rollout, seed {cfg.seed}, task {cfg.task}"
           f" (difficulty {cfg.difficulty}); {took}.", "",
-          table.to_markdown(index=False, floatfmt=".3g"), "",
+          markdown_table(table), "",
+          "—: undefined (no finite value at any step, e.g. a ratio whose denominator was 0) or "
+          "not measured.", "",
           "Figures: figures/training_curves.png. Metrics: metrics.jsonl (gradlab.load_run)."]
     text = "\n".join(md)
     write_file(path / "summary.md", text + "\n")
     return text
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """A frame as a Markdown table, numbers to 3 significant digits and NaN as "—"."""
+    from .reference import fmt
+
+    cells = df.astype(object).map(lambda v: fmt(v) if isinstance(v, (float, int)) and
+                                  not isinstance(v, bool) else str(v))
+    return cells.to_markdown(index=False, disable_numparse=True)
+
+
+# ---- `gradlab reproduce --check` and `--save-reference` -------------------------------------
+
+# options a check may set itself over a saved reference's: where the runs go and how they show
+# progress (they cannot change a number), and the thread count (part of the fingerprint: another
+# count is another machine, compared statistically)
+CHECK_OVERRIDES = ("out", "progress", "log", "threads")
+NOT_COMPARED = ("out", "progress", "log", "ckpt_every", "threads", "seed")
+
+
+def seed_folder(out: str, seed: int, first: int) -> str:
+    """The run folder of `seed` in a several-seed check: `out` for the first, out-seed{s} else."""
+    return out if seed == first else f"{out}-seed{seed}"
+
+
+def prepare_folder(cfg: RunConfig, fresh: bool) -> str:
+    """Before a check run in cfg.out: a finished run of this code with these options is reused
+    (the returned note says so); a run made by other code (its provenance code hash), or any run
+    with `fresh`, is moved to <out>.prev (replacing an earlier one) and trained afresh. A run
+    with other options, a partial run of this code or a folder in use is refused (one line)."""
+    import shutil
+
+    from ... import provenance
+    from ..runs.resume import config_differences, read_config, run_status
+
+    out = Path(cfg.out)
+    if run_status(out) is None:
+        return ""
+    diff = config_differences(read_config(out / "config.json"), cfg.to_json())
+    if diff:
+        raise ConfigError(f"--out {out} already holds a different run ({'; '.join(diff)}); "
+                          "choose another --out")
+    code = provenance.code_hash()
+    if provenance.same_code(out) and not fresh:
+        reproduce_action(cfg, False)  # a partial run, or another step count: what to type
+        return f"reused {out}: a finished run of this code ({code}), not re-trained (--fresh re-trains)"
+    segs = (provenance.read(out) or {}).get("segments", [])
+    made = ",".join(dict.fromkeys(s.get("code_hash", "?") for s in segs)) or "unrecorded code"
+    acquire(out).release()  # a folder that a live process is writing is refused, not moved
+    prev = out.with_name(out.name + ".prev")
+    shutil.rmtree(prev, ignore_errors=True)
+    out.rename(prev)
+    why = "(--fresh)" if made == code else f"made by other code ({made}; this is {code})"
+    return f"{out} held a run {why}: moved to {prev}, trained afresh"
+
+
+def run_seeds(cfg: RunConfig, seeds: list[int], fresh: bool, say=print) -> list[Path]:
+    """Train (or reuse, see `prepare_folder`) the main job at each seed; returns the folders."""
+    folders = []
+    for s in seeds:
+        c = replace(cfg, seed=s, out=seed_folder(cfg.out, s, seeds[0]))
+        note = prepare_folder(c, fresh)
+        t0 = time.time()
+        reproduce(c)
+        say(note or f"trained {c.out} (seed {s}) in {time.time() - t0:.0f} s")
+        folders.append(Path(c.out))
+    return folders
+
+
+def save_reference(cfg: RunConfig, typed: set[str], path: str | Path, k: int, fresh: bool,
+                   say=print) -> dict:
+    """`--save-reference FILE`: run seeds cfg.seed … cfg.seed + k − 1 and write this machine's
+    reference (config, typed options, per-seed fingerprint, summary and series) to `path`."""
+    from ... import provenance
+    from .baseline import run_record
+    from .reference import numbers_of
+
+    seeds = list(range(cfg.seed, cfg.seed + k))
+    folders = run_seeds(cfg, seeds, fresh, say)
+    summaries = [summarize(load_run(f)) for f in folders]
+    runs = [run_record(f, s) for f, s in zip(folders, summaries)]
+    ref = {"gradlab_reference": 2, "config": {**cfg.to_json(), "seed": seeds[0]},
+           "typed": sorted(typed - {"seed"}), "seeds": seeds,
+           "fingerprint": runs[0]["fingerprint"], "code_hash": provenance.code_hash(),
+           "commit": provenance.git_state()["commit"], "runs": runs,
+           "numbers": numbers_of(summaries)}
+    write_file(Path(path), json.dumps(ref, indent=None, allow_nan=False) + "\n")
+    fp = ref["fingerprint"]
+    say(f"wrote {path}: {k} seed(s) {seeds} of this configuration on {fp['cpu_model']}, torch "
+        f"{fp['torch']}, {fp['threads']} thread(s), code {ref['code_hash']}")
+    return ref
+
+
+def check_config(cfg: RunConfig, typed: set[str], ref: dict) -> tuple[RunConfig, list[str]]:
+    """The configuration a saved reference is checked at: the options typed when it was saved,
+    over the current defaults, with `CHECK_OVERRIDES` typed now on top (out: the reference's
+    unless typed). Returns it and one line per other option whose current default differs from
+    the reference's value (a changed default is a change). Another option typed now that
+    differs from the reference is refused."""
+    stored, then = ref["config"], set(ref.get("typed", []))
+    now = cfg.to_json()
+    norm = lambda v: json.loads(json.dumps(v, sort_keys=True))  # noqa: E731  tuples → lists
+    clash = [f"--{k.replace('_', '-')} {now[k]!r} (the reference: {stored.get(k)!r})"
+             for k in sorted(typed - set(CHECK_OVERRIDES)) if norm(now[k]) != norm(stored.get(k))]
+    if clash:
+        raise ConfigError(f"--check: a saved reference is checked at its own configuration; "
+                          f"typed: {', '.join(clash)} (only {', '.join(CHECK_OVERRIDES)} may "
+                          "be set)")
+    kw = dict(now)
+    kw.update({k: stored[k] for k in then | {"seed"} if k in stored and k in now
+               and not (k in typed and k in CHECK_OVERRIDES)})
+    if "out" not in typed:
+        kw["out"] = stored.get("out", now["out"])
+    defaults = [f"--{k.replace('_', '-')}: {stored[k]!r} → {kw[k]!r}" for k in sorted(stored)
+                if k in kw and k not in then and k not in NOT_COMPARED
+                and norm(stored[k]) != norm(kw[k])]
+    return RunConfig(**kw), defaults
+
+
+def check_seeds(cfg: RunConfig, ref: dict, k: int | None) -> list[int]:
+    """The seeds a check runs: the shipped reference, cfg.seed … + k − 1 (k default 1); a saved
+    one, its first k seeds (default all). Too many is refused before any work."""
+    if ref["gradlab_reference"] == 1:
+        return list(range(cfg.seed, cfg.seed + (k or 1)))
+    n = len(ref["seeds"])
+    if k is not None and k > n:
+        raise ConfigError(f"--seeds: {k} but the reference holds {n} seed(s) {ref['seeds']}; "
+                          f"give at most {n}")
+    return list(ref["seeds"][: k or n])
+
+
+def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fresh: bool,
+                  say=print) -> int:
+    """`gradlab reproduce --check`: run the check seeds and compare them with `ref` (exactly on
+    the reference's machine fingerprint, else statistically); prints the report; returns the
+    exit code (0 identical / nothing flagged, 1 otherwise)."""
+    from .reference import stat_check, stat_report
+
+    defaults: list[str] = []
+    if ref["gradlab_reference"] == 2:
+        cfg, defaults = check_config(cfg, typed, ref)
+    seeds = check_seeds(cfg, ref, k)
+    folders = run_seeds(replace(cfg, seed=seeds[0]), seeds, fresh, say)
+    summaries = [summarize(load_run(f)) for f in folders]
+    if ref["gradlab_reference"] == 2:
+        code = _code_line(ref, folders)
+        say(code)
+        for line in defaults:
+            say(f"default changed since the reference: {line}")
+        exact = _exact_if_same_machine(ref, seeds, folders, summaries, say)
+        if exact is not None:
+            return 1 if exact or defaults else 0
+    values: dict[str, list[float]] = {}
+    for s in summaries:
+        for obj, row in s.set_index("objective").iterrows():
+            for metric, v in row.items():
+                values.setdefault(f"{obj}/{metric}", []).append(float(v))
+    rows = stat_check(values, ref)
+    why = (" against the shipped reference (another machine)" if ref["gradlab_reference"] == 1
+           else f" (fallback: {_machine_gap(ref, folders)})")
+    say(stat_report(rows, ref, why))
+    untested = rows["t"].isna() & (rows["test"] == "t") & ~rows["flagged"] & \
+        (rows["reason"] != "no seed spread: compared exactly")
+    return 1 if rows["flagged"].any() or untested.any() or defaults else 0
+
+
+def _code_line(ref: dict, folders: list[Path]) -> str:
+    from .baseline import fingerprint
+
+    now = ",".join(dict.fromkeys(fingerprint(f)["code_hash"] for f in folders))
+    if now == ref["code_hash"]:
+        return f"code: the reference's ({now})"
+    return f"code changed since the reference: {ref['code_hash']} → {now}"
+
+
+def _machine_gap(ref: dict, folders: list[Path]) -> str:
+    from .baseline import FINGERPRINT, fingerprint
+
+    a, b = ref["fingerprint"], fingerprint(folders[0])
+    gaps = [f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in FINGERPRINT if a.get(k) != b.get(k)]
+    return "another machine than the reference's: " + "; ".join(gaps)
+
+
+def _exact_if_same_machine(ref: dict, seeds: list[int], folders: list[Path],
+                           summaries: list[pd.DataFrame], say) -> bool | None:
+    """On the reference's fingerprint: print the exact comparison and return whether anything
+    changed; on another machine None (the caller compares statistically)."""
+    from .baseline import (compare_numbers, compare_series, exact_report, fingerprint,
+                           same_machine, series, summary_numbers)
+
+    index = {s: i for i, s in enumerate(ref["seeds"])}
+    if not all(same_machine(fingerprint(f), ref["runs"][index[s]]["fingerprint"])
+               for s, f in zip(seeds, folders)):
+        return None
+    numbers, changed = [], []
+    for s, f, summ in zip(seeds, folders, summaries):
+        i = index[s]
+        numbers += [{**r, "seed": s} for r in compare_numbers(ref, i, summary_numbers(summ))]
+        changed += [{**r, "seed": s} for r in compare_series(ref, i, series(load_run(f)))]
+    say(exact_report(numbers, changed, seeds))
+    return bool(numbers or changed)
