@@ -255,3 +255,56 @@ def test_ibpo_loss_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="IBPO gives one per token"):
         GradlabConfig(loss="ibpo", dfpo="orth")
     assert GradlabConfig(loss="ibpo[form=togo, scale=none]").ibpo.form == "togo"
+
+
+def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
+    """A reward that rates every completion alike: A = 0, W ≡ 0. ρ is undefined: NaN in the
+    window and the store (never 0), left out of TRL's logged means, and the end-of-run table
+    prints "—" with the reason; the sums stay numbers."""
+    import math
+
+    from gradlab.viz.summary import run_table
+
+    make = trl_audit.dataset_and_reward
+
+    def tied(workload, n, seed=0):
+        ds, _ = make(workload, n, seed)
+
+        def same_reward(completions, **kw):
+            return [1.0] * len(completions)
+
+        return ds, same_reward
+
+    monkeypatch.setattr(trl_audit, "dataset_and_reward", tied)
+    tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1)
+    m = tr.gradlab_window.metrics
+    assert m["zero_std_share"] == 1 and m["nodes_prefix"] > 0 and m["mass_prefix"] == 0
+    assert m["residual_prefix"] == 0 and m["mass_trie"] == 0
+    for k in ("rho_prefix", "rho_prefix_step", "rho_trie"):
+        assert math.isnan(m[k]), k
+    assert not any("gradlab/rho_prefix" in h for h in tr.state.log_history)  # no 0, no NaN
+    assert any(h.get("gradlab/mass_prefix") == 0 for h in tr.state.log_history)
+    wide = gradlab.load_run(tmp_path / "store", wide=True)
+    assert wide["rho_prefix"].isna().all() and (wide["mass_prefix"] == 0).all()
+    table = run_table(tmp_path / "store")
+    assert "| trl-dr_grpo-token | —¹ | —¹ | —² | —² | —¹ |" in table, table
+    assert "—² undefined (no gradient: every group tied)" in table
+
+
+def test_window_without_a_full_group_token_has_undefined_rho():
+    """Every response of each group starts differently: no full-group node, ρ undefined (NaN)
+    at full-group nodes while the trie, with shared pairs, is measured."""
+    import math
+
+    from gradlab.integrations.trl_window import window_metrics
+
+    tokens = torch.tensor([[1, 5, 6], [2, 5, 6], [3, 7, 8], [3, 7, 9]])
+    b = TokenBatch(tokens=tokens, mask=torch.ones(4, 3, dtype=torch.bool),
+                   logps=torch.full((4, 3), -1.0), old_logps=torch.full((4, 3), -1.0),
+                   advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                   group=torch.tensor([0, 0, 0, 0]))
+    W = b.advantages[:, None].expand(4, 3) / 12
+    m = window_metrics(b, W, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
+    assert m["nodes_prefix"] == 0 and math.isnan(m["rho_prefix"]) and math.isnan(m["rho_prefix_step"])
+    # rows 2 and 3 share "3 7" with A = +1 and −1: a trie node whose W sums to 0, so ρ = 0
+    assert m["nodes_trie"] > 0 and m["mass_trie"] > 0 and m["rho_trie"] == 0.0
