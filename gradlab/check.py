@@ -21,8 +21,9 @@ equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.
 W itself per scenario (a compact exact record of W, so a rescaled, sign-flipped or masked
 gradient is seen, and "W scaled ×2.00" names a consistent rescale), and per source the mean
 signed Δρ (a drift of everything at once). The baseline records the machine it was made on
-(`gradlab.check_baseline`): on the same machine every number must agree to float32 round-off;
-on another it is compared with tolerances, and the output says which. If the sampled rollout
+(`gradlab.check_baseline`): on the same machine every number must agree to round-off (16 ulps
+of float64 synthetic, float32 model); on another it is compared with tolerances, and the output
+says which. If the sampled rollout
 differs on another machine the model scenarios skip the baseline comparison and say so (they
 still check the invariants); on the same machine that is a change. Exit code 0: all good; 1: a
 violation or a change (named); 2: bad arguments; 3: the user's loss raised or returned a
@@ -41,9 +42,11 @@ A user loss is `fn(batch: gradlab.TokenBatch) -> scalar tensor`, built from batc
 checked on every scenario above; `--update --baseline mine.json` records a baseline for it and
 later runs with `--baseline mine.json` compare against it. In pytest (your CI):
 
-    from gradlab.testing import assert_cancels_in_regimes
+    from gradlab.testing import assert_cancels_in_regimes, assert_matches_baseline
     def test_my_loss_cancels():
         assert_cancels_in_regimes(my_loss)  # fails on 1/|o_i| ("on") or asymmetric clip ("far")
+    def test_my_loss_unchanged():           # ρ and W against a committed file (update=True once)
+        assert_matches_baseline(my_loss, "tests/my_loss_baseline.json")
 """
 
 from __future__ import annotations

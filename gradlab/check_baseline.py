@@ -9,9 +9,11 @@ The baseline also records the machine it was made on (`fingerprint`: CPU model, 
 transformers builds, the check's intra-op threads) and, for information only, the gradlab code
 hash. Two modes:
 
-  exact      same fingerprint: every number must agree to float32 round-off (EXACT_ULPS float32
-             ulps of its scale: 1 for ρ, Σ|W| of the seed for a W statistic); one AdamW step
-             with half the learning rate moves W by ~1e-3 of Σ|W|, round-off by ~1e-7.
+  exact      same fingerprint: every number must agree to round-off: EXACT_ULPS ulps of the
+             working precision (float64 synthetic batches, float32 model W) times its scale
+             (1 for ρ, Σ|W| of the seed for a W statistic). One AdamW step with half the
+             learning rate moves model W statistics by ~1e-3 of Σ|W|; torch's portable instead
+             of its vectorised CPU kernels by ~1e-7.
   tolerance  another fingerprint: ρ within `tolerance[source]["max_abs"]`, each W statistic
              within `tolerance["W"][source]` × Σ|W| (float64 synthetic batches: 1e-9; the model:
              1e-3, ~10⁴ × the 1e-7 measured between torch's vectorised and portable CPU kernels,
@@ -30,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-EPS32 = float(torch.finfo(torch.float32).eps)
+# the working precision per source: synthetic batches are float64, the model's W float32
+EPS = {"synthetic": float(torch.finfo(torch.float64).eps),
+       "model": float(torch.finfo(torch.float32).eps)}
 EXACT_ULPS = 16
 W_TOL = {"synthetic": 1e-9, "model": 1e-3}
 SIGNED = ("sum", "dot_r1", "dot_r2")  # flip sign with W
@@ -106,11 +110,11 @@ def _changes(new: list[dict], old: list[dict], atol: list[float]) -> list[str]:
     out = []
     for s, (n, o, a) in enumerate(zip(new, old, atol)):
         where = f" [seed {s}]" if len(new) > 1 else ""
+        if n["nnz"] != o["nnz"]:
+            out.append(f"{LABEL['nnz']}{where} {o['nnz']} → {n['nnz']}")
         for k in (*SIGNED, *UNSIGNED):
             if not abs(n[k] - o[k]) <= a:  # NaN counts as a change
                 out.append(f"{LABEL[k]}{where} {o[k]:.6g} → {n[k]:.6g}")
-        if n["nnz"] != o["nnz"]:
-            out.append(f"{LABEL['nnz']}{where} {o['nnz']} → {n['nnz']}")
     return out
 
 
@@ -170,18 +174,24 @@ def listed(items: list[str], n: int = 4) -> str:
 def mode(base: dict, now: dict, tol: dict) -> tuple[bool, str]:
     """(exact?, the line saying how the run is compared): exact on the baseline's fingerprint."""
     fp, old = now["fingerprint"], base.get("fingerprint") or {}
-    ulps = tol.get("exact_ulps", EXACT_ULPS)
     if old == fp:
+        syn, mod = exact_tol("synthetic", tol), exact_tol("model", tol)
         return True, (f"baseline made on this machine ({fp['cpu_model']}, torch {fp['torch']}, "
-                      f"{fp['threads']} thread(s)): compared exactly, to float32 round-off "
-                      f"({ulps} ulps: |Δρ| ≤ {ulps * EPS32:.1e}, each W statistic within "
-                      f"{ulps * EPS32:.1e} × Σ|W|)")
+                      f"{fp['threads']} thread(s)): compared exactly, to round-off "
+                      f"({tol.get('exact_ulps', EXACT_ULPS)} ulps of the working precision: "
+                      f"|Δρ| ≤ {syn:.1e} synthetic (float64), {mod:.1e} model (float32); each "
+                      f"W statistic within the same × Σ|W|)")
     w = tol.get("W", W_TOL)
     why = diff(old, fp) if old else "no machine fingerprint in the baseline"
     return False, (f"baseline made on another machine ({why}): compared with tolerances "
                    f"(|Δρ| ≤ {tol['synthetic']['max_abs']:g} synthetic, "
                    f"{tol['model']['max_abs']:g} model; each W statistic within "
                    f"{w['synthetic']:g} × Σ|W| synthetic, {w['model']:g} × Σ|W| model)")
+
+
+def exact_tol(src: str, tol: dict) -> float:
+    """The exact mode's tolerance: `exact_ulps` ulps of the source's working precision."""
+    return tol.get("exact_ulps", EXACT_ULPS) * EPS[src]
 
 
 def _rho_changes(new: list[float], old: list[float], atol: float, name: str) -> list[str]:
@@ -193,8 +203,7 @@ def _rho_changes(new: list[float], old: list[float], atol: float, name: str) -> 
 def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
     """ρ and W of result `r` against its baseline entry `b`: problems appended to r.problems
     (every changed number named), r.delta set; returns the signed Δρ (for the mean drift)."""
-    ulps = tol.get("exact_ulps", EXACT_ULPS)
-    atol = min(ulps * EPS32, tol[src]["max_abs"]) if exact else tol[src]["max_abs"]
+    atol = exact_tol(src, tol) if exact else tol[src]["max_abs"]
     new, old = r.rho_prefix + r.rho_trie, b["rho_prefix"] + b["rho_trie"]
     if len(new) != len(old):
         r.problems.append("baseline has a different number of seeds")
@@ -208,7 +217,7 @@ def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
     if "W" not in b:
         r.note = "baseline has no W record: ρ only; --update records W"
     else:
-        rel = ulps * EPS32 if exact else tol.get("W", W_TOL)[src]
+        rel = exact_tol(src, tol) if exact else tol.get("W", W_TOL)[src]
         msg = compare_w(r.W, b["W"], rel)
         r.w_base = "same" if msg is None else (msg.split()[2] if msg.startswith("W scaled")
                                                 else "changed")

@@ -251,15 +251,17 @@ def loop_step_on(model, rollout, rows: Tensor, adv: Tensor,
 # --------------------------------------------------------------------------- a saved baseline
 def assert_matches_baseline(loss_fn: Callable[[TokenBatch], Tensor], path,
                             expect: str = "cancels", model: bool = True,
-                            update: bool = False) -> None:
+                            update: bool = False, name: str | None = None) -> None:
     """`gradlab check` for `loss_fn` against the baseline file `path` (ρ and W per scenario).
 
     Fails (AssertionError with the check's findings) on an invariant violation (expect:
     "cancels" needs ρ ≈ 0 everywhere; "residual" or "none": baseline only) or any change
     against the baseline: exact to float32 round-off on the machine that wrote it, within
     tolerances on another. update=True writes the baseline instead (record it once, commit it);
-    a missing file is an error, so that CI never compares against nothing. model=False: the
-    synthetic scenarios only (well under a second; the model ones take a few seconds).
+    a missing file (or scenario) is an error, so that CI never compares against nothing.
+    model=False: the synthetic scenarios only (well under a second; the model ones take a few
+    seconds). Scenarios are named `<source>/loss:<name>/<regime>`, name = loss_fn.__name__
+    unless given.
     """
     import contextlib
     import io
@@ -271,10 +273,14 @@ def assert_matches_baseline(loss_fn: Callable[[TokenBatch], Tensor], path,
     if not update and not path.is_file():
         raise AssertionError(f"no baseline at {path}: record one with assert_matches_baseline("
                              "..., update=True) and commit it")
-    label = "loss:" + getattr(loss_fn, "__name__", "loss")
+    label = "loss:" + (name or getattr(loss_fn, "__name__", "loss"))
     scen = [s for s in check.loss_scenarios(loss_fn, label, expect)
             if model or s.source == "synthetic"]
     base = check.cb.read_baseline(path, update)
+    missing = [s.key for s in scen if s.key not in base.get("scenarios", {})]
+    if missing and not update:
+        raise AssertionError(f"baseline {path} has no scenario {missing[0]} (of {len(missing)} "
+                             "missing): record it with update=True")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = check.check_scenarios(scen, base, path if update else None, partial=False,

@@ -1,5 +1,6 @@
 """`gradlab check` and the user-facing pytest helpers: pass on main, fail on broken losses."""
 
+import dataclasses
 import json
 import textwrap
 
@@ -7,11 +8,17 @@ import pytest
 import torch
 
 from gradlab import check, objectives
+from gradlab import check_baseline as cb
 from gradlab.core.objectives import GRPO, GRPOFix
+from gradlab.loop import config
+from gradlab.loop.config import RunConfig
 from gradlab.testing import (
+    REGIMES,
     assert_cancels,
     assert_cancels_in_regimes,
     assert_does_not_cancel,
+    assert_matches_baseline,
+    random_batch,
     regime_report,
 )
 
@@ -140,6 +147,137 @@ def test_bad_arguments_exit_2(capsys):
     assert "error" in capsys.readouterr().err
 
 
+# --- W against the baseline: scale, sign, mask; the machine fingerprint ---------------------
+SCALED = '''
+import torch
+def drgrpo_loss(b):
+    r = torch.exp(b.logps - b.old_logps)
+    A = {adv}
+    m = {mask}
+    return {factor} * -(A[:, None] * r * m).sum() / (b.B * b.T)
+'''
+PLAIN = {"adv": "b.advantages", "mask": "b.mask", "factor": "1.0"}
+# the mask without each row's last response token (a loss that drops EOS)
+NO_LAST = "b.mask & (torch.arange(b.T) < b.mask.sum(-1, keepdim=True) - 1)"
+
+
+def _write(path, **change):
+    path.write_text(SCALED.format(**{**PLAIN, **change}))
+    return f"{path}:drgrpo_loss"
+
+
+@pytest.fixture
+def my_baseline(tmp_path):
+    """A user loss's baseline (synthetic scenarios), written on this machine."""
+    loss, base = tmp_path / "scaled.py", tmp_path / "mine.json"
+    assert check.main(["--loss", _write(loss), "--update", "--baseline", str(base),
+                       "--no-model"]) == 0
+    return loss, base
+
+
+@pytest.mark.parametrize("factor, text", [("2.0", "×2.00"), ("0.5", "×0.50"),
+                                          ("-1.0", "×−1.00 against the baseline (sign flipped)")])
+def test_rescaled_or_flipped_loss_is_named_with_its_factor(my_baseline, capsys, factor, text):
+    loss, base = my_baseline
+    capsys.readouterr()
+    spec = _write(loss, factor=factor)
+    assert check.main(["--loss", spec, "--baseline", str(base), "--no-model"]) == 1
+    out = capsys.readouterr().out
+    fails = {ln.split(":")[1]: ln for ln in out.splitlines() if ln.startswith("FAIL synthetic")}
+    for regime in ("on", "near", "far", "on-eq"):  # every scenario, by name, with the factor
+        assert f"W scaled {text}" in fails[f"drgrpo_loss/{regime}"]
+    assert "compared exactly" in out
+
+
+def test_flipped_advantages_and_dropped_token_are_caught(my_baseline, capsys):
+    loss, base = my_baseline
+    capsys.readouterr()
+    assert check.main(["--loss", _write(loss, adv="-b.advantages"), "--baseline", str(base),
+                       "--no-model"]) == 1
+    assert "W scaled ×−1.00 against the baseline (sign flipped)" in capsys.readouterr().out
+    assert check.main(["--loss", _write(loss, mask=NO_LAST), "--baseline", str(base),
+                       "--no-model"]) == 1
+    out = capsys.readouterr().out
+    n_last = {s: int(random_batch(n_groups=4, G=4, T=12, seed=s, **REGIMES["on"]).mask.sum())
+              for s in check.SEEDS}  # W ≠ 0 at every response token of the "on" batches
+    assert f"tokens with W≠0 [seed 0] {n_last[0]} → {n_last[0] - 16}" in out  # 16 rows
+    assert check.main(["--loss", _write(loss), "--baseline", str(base), "--no-model"]) == 0
+
+
+def test_exact_on_this_machine_tolerances_on_another(my_baseline, capsys):
+    loss, base = my_baseline
+    spec = _write(loss)
+    b = json.loads(base.read_text())
+    assert b["fingerprint"]["threads"] == 1 and "cpu_model" in b["fingerprint"]
+    assert len(b["code_hash"]) == 16
+    # a W statistic moved by 1e-12 of Σ|W|: beyond round-off (exact mode), within the 1e-9
+    # tolerance of another machine
+    w = b["scenarios"]["synthetic/loss:drgrpo_loss/near"]["W"][1]
+    w["dot_r1"] += 1e-12 * w["sum_abs"]
+    base.write_text(json.dumps(b))
+    capsys.readouterr()
+    assert check.main(["--loss", spec, "--baseline", str(base), "--no-model"]) == 1
+    out = capsys.readouterr().out
+    assert "compared exactly" in out and "FAIL synthetic/loss:drgrpo_loss/near: W changed: ΣW·r₁ [seed 1]" in out
+    b["fingerprint"]["cpu_model"] = "another CPU"
+    base.write_text(json.dumps(b))
+    assert check.main(["--loss", spec, "--baseline", str(base), "--no-model"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline made on another machine (cpu_model: another CPU →" in out
+    assert "compared with tolerances" in out
+    # ... where a rescale is still far outside the tolerance
+    assert check.main(["--loss", _write(loss, factor="2.0"), "--baseline", str(base),
+                       "--no-model"]) == 1
+    assert "W scaled ×2.00 against the baseline" in capsys.readouterr().out
+
+
+def test_common_factor_needs_every_statistic():
+    rec = [{"sum": 0.1, "sum_abs": 1.0, "l2": 0.3, "dot_r1": -0.2, "dot_r2": 0.05, "nnz": 10}]
+    two = [{k: 2 * v if k != "nnz" else v for k, v in rec[0].items()}]
+    assert cb.compare_w(rec, rec, 1e-12) is None
+    assert cb.compare_w(two, rec, 1e-12) == "W scaled ×2.00 against the baseline"
+    assert cb.factor_text(1.0001) == "×1.0001" and cb.factor_text(-0.5) == "×−0.50"
+    bent = [{**two[0], "dot_r2": 0.2}]  # one projection off the common factor
+    msg = cb.compare_w(bent, rec, 1e-12)
+    assert msg.startswith("W changed: ") and "ΣW·r₂ 0.05 → 0.2" in msg
+    fewer = [{**rec[0], "nnz": 9}]  # a token fewer
+    assert cb.compare_w(fewer, rec, 1e-12) == "W changed: tokens with W≠0 10 → 9"
+    assert cb.compare_w([{**two[0], "nnz": 9}], rec, 1e-12).startswith("W changed")  # no rescale
+    nan = [{**rec[0], "sum": float("nan")}]
+    assert cb.compare_w(nan, rec, 1e-12).startswith("W changed: ΣW 0.1 → nan")
+
+
+def test_changed_default_lr_is_seen_in_model_off(tmp_path, monkeypatch, capsys):
+    """A halved RunConfig learning rate changes W after the model/off step (and only there)."""
+    base = tmp_path / "b.json"
+    assert check.main(["--update", "--baseline", str(base), "--only", "model/grpo/"]) == 0
+    assert json.loads(base.read_text())["model_setup"]["training"]["lr"] == RunConfig().lr
+
+    @dataclasses.dataclass
+    class HalfLr(RunConfig):
+        lr: float = RunConfig().lr / 2
+
+    monkeypatch.setattr(config, "RunConfig", HalfLr)
+    capsys.readouterr()
+    assert check.main(["--baseline", str(base), "--only", "model/grpo/"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL model/grpo/off: W changed" in out and "FAIL model/grpo/on" not in out
+    assert f"lr: {RunConfig().lr} → {RunConfig().lr / 2}" in out
+    assert "scenario(s) failed: model/grpo/off" in out
+
+
+def test_old_rho_only_baseline_still_reads(tmp_path, capsys):
+    old = json.loads(check.BASELINE.read_text())
+    old["fingerprint"] = old.pop("rollout")  # the ρ-only format: a rollout hash string
+    for v in old["scenarios"].values():
+        del v["W"]
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(old))
+    assert check.main(["--baseline", str(p), "--only", "synthetic/gspo/"]) == 0
+    out = capsys.readouterr().out
+    assert "no machine fingerprint in the baseline" in out and "no W record" in out
+
+
 # --- pytest helpers (what users put in their CI) -------------------------------------------
 def test_helpers_catch_seqnorm_and_asymmetric_clipping():
     with pytest.raises(AssertionError, match="regime 'on'"):
@@ -155,6 +293,20 @@ def test_helpers_catch_seqnorm_and_asymmetric_clipping():
     assert_cancels_in_regimes(drgrpo_loss)
     assert_cancels_in_regimes(objectives.get("grpo-fix").loss)
     assert_does_not_cancel(objectives.get("gspo").loss)
+
+
+def test_assert_matches_baseline(tmp_path):
+    p = tmp_path / "ci.json"
+    with pytest.raises(AssertionError, match="no baseline at"):
+        assert_matches_baseline(drgrpo_loss, p, model=False)
+    assert_matches_baseline(drgrpo_loss, p, model=False, update=True)
+    assert_matches_baseline(drgrpo_loss, p, model=False)
+    with pytest.raises(AssertionError, match="has no scenario synthetic/loss:other/on "):
+        assert_matches_baseline(drgrpo_loss, p, model=False, name="other")
+    with pytest.raises(AssertionError, match=r"synthetic/loss:drgrpo_loss/far: W scaled ×0\.50"):
+        assert_matches_baseline(lambda b: drgrpo_loss(b) / 2, p, model=False, name="drgrpo_loss")
+    with pytest.raises(AssertionError, match="expected cancellation"):  # and the invariants
+        assert_matches_baseline(seqnorm_loss, p, model=False, name="drgrpo_loss")
 
 
 def test_regime_report_rows():
