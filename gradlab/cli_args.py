@@ -55,9 +55,11 @@ def _variance_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--update", action="store_true", help="rewrite the baseline")
+    p.add_argument("--update", action="store_true", help="rewrite the baseline (ρ and W per "
+                   "scenario, with this machine's fingerprint)")
     p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
-                                      "none unless given)")
+                                      "none unless given); compared exactly on the machine "
+                                      "that wrote it, with tolerances on another")
     p.add_argument("--loss", help="check your loss instead: module:function or file.py:function")
     p.add_argument("--expect", choices=("cancels", "residual", "none"), default="cancels",
                    help="for --loss: must it cancel everywhere (default), show a residual "
