@@ -15,13 +15,14 @@ unequal length at the tokens they share.
 """
 
 import argparse
+import math
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import gradlab
 from gradlab import objectives
-from gradlab.probes import ModulationProbe, learning_tax
+from gradlab.probes import ModulationProbe, defined_ratio, learning_tax
 
 
 def token_logps(model, ids: torch.Tensor, P: int) -> torch.Tensor:
@@ -60,10 +61,20 @@ def main(G: int, tokens: int, seed: int) -> None:
             loss, _ = obj(gradlab.TokenBatch(ids[:, P:], mask, probe.watch(logps), old, A, group))
             loss.backward(retain_graph=True)
         batch = gradlab.TokenBatch(ids[:, P:], mask, logps.detach(), old, A, group)
-        rho = gradlab.cancellation(probe.W, batch, nodes="prefix").ratio
+        rho = defined_ratio(gradlab.cancellation(probe.W, batch, nodes="prefix"))
         dev = (probe.W - obj.modulation(batch)).abs().max().item()
         tax = learning_tax(logps, probe.W, batch, dict(model.named_parameters()))
-        print(f"{name:<10} {rho:>11.3g} {dev:>16.3g} {tax['tax_share'].item():>10.3g}")
+        share = tax["tax_share"].item()  # NaN when the gradient is 0: undefined, not 0
+        print(f"{name:<10} {_show(rho, 'no full-group token' if not tax['n_nodes'] else TIED):>11} "
+              f"{dev:>16.3g} {_show(share, 'no gradient'):>10}")
+
+
+TIED = "no gradient at shared tokens"
+
+
+def _show(x: float, why: str) -> str:
+    """x, or "—" and why where it is undefined (NaN)."""
+    return f"— ({why})" if math.isnan(x) else f"{x:.3g}"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -99,18 +100,46 @@ def train(folder: Path, task: Path | None, run: Path, a: argparse.Namespace) -> 
 
 
 def summary(run: Path) -> dict:
-    """{objective: {reward, rho_prefix, rho_trie, tax_share, time_step (s)}}: means over
-    steps; ρ at full-group nodes and the tax (measured there) over the steps whose batches
-    have tokens shared by a whole group (NaN if none); ρ at trie nodes (tokens shared by a
-    subset of a group) over every step."""
+    """{objective: {reward, rho_prefix, rho_trie, tax_share, time_step (s), why_<ratio>}}:
+    means over steps; ρ at full-group nodes and the tax (measured there) over the steps whose
+    batches have tokens shared by a whole group with a gradient there; ρ at trie nodes (tokens
+    shared by a subset of a group) over the steps where it is defined. A ratio no step defines
+    is NaN, and why_<ratio> says why (`gradlab.viz.undefined`: "no gradient: every group
+    tied", "no full-group token", ...)."""
     from gradlab import load_run
+    from gradlab.viz.undefined import reason
 
     wide = load_run(run, wide=True)
     out = wide.groupby("objective")[["reward", "time_step", "rho_trie"]].mean()
     shared = wide[wide["mass_prefix"] > 0]
     for c in ("rho_prefix", "tax_share"):
         out[c] = shared.groupby("objective")[c].mean()
-    return out.to_dict("index")
+    rows = out.to_dict("index")
+    for obj, m in rows.items():
+        steps = wide[wide["objective"] == obj]
+        for c in ("rho_prefix", "rho_trie", "tax_share"):
+            m[f"why_{c}"] = reason(steps, c) if math.isnan(m[c]) else None
+        if m["why_tax_share"] and steps["tax_share"].notna().any():  # measured, but only at
+            m["why_tax_share"] = m["why_rho_prefix"]  # steps left out for ρ's reason
+    return rows
+
+
+def print_table(runs: dict) -> None:
+    """The model × objective table; an undefined ratio is "—" with a marker, its reason
+    listed under the table."""
+    from gradlab.viz.undefined import NOT_MEASURED, Footnotes
+
+    notes = Footnotes()
+    print(f"{'model':14s} {'objective':10s} {'accuracy':>9s} {'rho':>9s} {'rho_trie':>9s} "
+          f"{'tax_share':>9s} {'step_s':>7s} {'peak_GiB':>8s}")
+    for name, (run, peak) in runs.items():
+        for obj, m in summary(run).items():
+            cells = [notes.cell(m[c], m.get(f"why_{c}") or NOT_MEASURED, lambda x: f"{x:.2e}")
+                     for c in ("rho_prefix", "rho_trie", "tax_share")]
+            print(f"{name:14s} {obj:10s} {m['reward']:9.3f} " + " ".join(f"{c:>9s}" for c in cells)
+                  + f" {m['time_step']:7.1f} {peak:8.2f}")
+    if notes.legend():
+        print(notes.legend())
 
 
 def figure(run: Path, path: Path, objectives: list[str]) -> Path:
@@ -154,11 +183,6 @@ if __name__ == "__main__":
     runs = {"smollm2-135m": (out / "run", train(folder, task_file(out), out / "run", a))}
     if a.compare_tiny:
         runs["tiny-qwen3"] = (out / "tiny", train(None, None, out / "tiny", a))
-    print(f"{'model':14s} {'objective':10s} {'accuracy':>9s} {'rho':>9s} {'rho_trie':>9s} "
-          f"{'tax_share':>9s} {'step_s':>7s} {'peak_GiB':>8s}")
-    for name, (run, peak) in runs.items():
-        for obj, m in summary(run).items():
-            print(f"{name:14s} {obj:10s} {m['reward']:9.3f} {m['rho_prefix']:9.2e} "
-                  f"{m['rho_trie']:9.2e} {m['tax_share']:9.2e} {m['time_step']:7.1f} {peak:8.2f}")
+    print_table(runs)
     if a.figure:
         print("figure", figure(runs["smollm2-135m"][0], Path(a.figure), a.objectives.split(",")))

@@ -30,6 +30,13 @@ def table(out: str, header: str) -> dict[str, list[str]]:
     return {r.split()[0]: r.split()[1:] for r in lines[start + 1:] if r.strip()}
 
 
+def split_legend(rows: dict[str, list[str]]) -> tuple[dict, dict]:
+    """(table rows, {marker: reason}) of a `table` whose legend lines ("—¹ undefined (...)")
+    follow it."""
+    legend = {k: " ".join(v) for k, v in rows.items() if k.startswith("—")}
+    return {k: v for k, v in rows.items() if k not in legend}, legend
+
+
 def test_instrument_step(tmp_path):
     rows = table(run_example("instrument_step.py", "--G", "4", "--tokens", "6", cwd=tmp_path),
                  "objective")
@@ -65,13 +72,19 @@ def test_trl_callback(tmp_path):
     pytest.importorskip("trl")
     out = run_example("trl_callback.py", "--prompts", "2", "--G", "4", "--gens", "2",
                       "--out", "trl", cwd=tmp_path)
-    rows = table(out, " step")
+    rows, legend = split_legend(table(out, "step"))
     assert sorted(rows) == ["0", "1"]                            # one row per generation batch
     store = [json.loads(x) for x in (tmp_path / "trl" / "gradlab" / "metrics.jsonl").open()]
     stored = {r["step"]: r["rho_prefix"] for r in store if "rho_prefix" in r}
+    # generation batch 0 of this seed rewards every completion of each group alike: W ≡ 0, so
+    # ρ is undefined there (null in the store), printed "—" with the reason, never 0
+    assert stored[0] is None and rows["0"][0].startswith("—")
     for step, values in rows.items():
-        assert float(values[0]) == pytest.approx(stored[int(step)], abs=1e-6)
-        assert 0 <= float(values[0]) <= 1
+        if stored[int(step)] is None:
+            assert legend[values[0]] == "undefined (no gradient: every group tied)"
+        else:
+            assert float(values[0]) == pytest.approx(stored[int(step)], abs=1e-6)
+            assert 0 <= float(values[0]) <= 1
 
 
 def test_plot_run(tmp_path):
@@ -96,9 +109,15 @@ def test_real_model(tmp_path):
     out = run_example("real_model.py", "--out", str(tmp_path / "r"), "--steps", "1",
                       "--prompts", "2", "--G", "4", "--objectives", "grpo", "--max-new-tokens", "16",
                       cwd=tmp_path)
-    rows = table(out, "model")
-    acc, rho, rho_trie, tax, step_s, peak = (float(x) for x in rows["smollm2-135m"][1:])
-    assert 0 <= acc <= 1 and step_s > 0 and peak > 0.5  # 135M float32 parameters + AdamW
+    rows, legend = split_legend(table(out, "model"))
+    acc, rho, rho_trie, tax, step_s, peak = rows["smollm2-135m"][1:]
+    assert 0 <= float(acc) <= 1 and float(step_s) > 0 and float(peak) > 0.5  # 135M + AdamW
+    stored = json.loads((tmp_path / "r" / "run" / "metrics.jsonl").read_text())
+    for cell, key in ((rho, "rho_prefix"), (rho_trie, "rho_trie")):
+        if stored[key] is None:  # undefined (this one step: every group tied): "—", a reason
+            assert cell.startswith("—") and legend[cell].startswith("undefined ("), (cell, legend)
+        else:
+            assert float(cell) == pytest.approx(stored[key], rel=1e-2)
     cfg = json.loads((tmp_path / "r" / "smollm2-135m-instruct" / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["dtype"] == "float32"
     assert (tmp_path / "r" / "run" / "metrics.jsonl").read_text().count("\n") == 1
