@@ -337,3 +337,26 @@ def test_gradlab_ppo_loss_on_verl_real_ppo_loss(uid):
         assert ("gradlab/mini/rho_full" in vals) == (k == 1)
     assert float(vals["gradlab/mini/split"]) == 1.0
     assert float(vals["gradlab/mini/micro_batches"]) == 2.0
+
+
+@needs_verl
+def test_undefined_rho_is_nan_and_left_out_of_verls_means():
+    """A micro-batch whose groups are all tied (A = 0, so W ≡ 0): ρ is undefined. `_measure`
+    gives NaN (never 0), and the metrics handed to verl leave it out, so verl's mean over
+    micro-batches runs over those that define it; the defined figures stay."""
+    import math
+
+    from gradlab.testing import random_batch
+
+    gv, actor_config = _setup()
+    b = random_batch(n_groups=2, G=4, T=10, seed=4)
+    tied = b.replace(advantages=torch.zeros_like(b.advantages))
+    _, m, _ = _call("gradlab_measure:vanilla", tied)
+    for k in ("rho_full", "rho_trie", "mini/rho_full", "mini/rho_trie"):
+        assert f"gradlab/{k}" not in m, k
+    assert "gradlab/shared_fraction" in m and "gradlab/mini/micro_batches" in m
+    W = torch.zeros(tied.tokens.shape, dtype=torch.float64)
+    out = gv._measure(W, tied, actor_config("vanilla"), "vanilla", "token-mean", None)
+    assert math.isnan(out["rho_full"]) and math.isnan(out["rho_trie"])
+    _, m, _ = _call("gradlab_measure:vanilla", b)  # the same batch, rewards not tied
+    assert math.isfinite(m["gradlab/rho_full"]) and math.isfinite(m["gradlab/mini/rho_trie"])
