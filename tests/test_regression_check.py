@@ -106,3 +106,5 @@ def test_options_that_do_not_go_with_a_saved_reference(saved, capsys):
                  str(saved / "x.json")]) == 2
     assert main(["reproduce", "--check", str(saved / "nope.json")]) == 2
     assert "--check: no reference at" in capsys.readouterr().err
+    assert main(["reproduce", "--check", "--steps", "10"]) == 2  # the shipped main job's size
+    assert "--steps 10 (the reference: 150)" in capsys.readouterr().err

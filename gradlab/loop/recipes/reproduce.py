@@ -182,7 +182,8 @@ def save_reference(cfg: RunConfig, typed: set[str], path: str | Path, k: int, fr
     return ref
 
 
-def check_config(cfg: RunConfig, typed: set[str], ref: dict) -> tuple[RunConfig, list[str]]:
+def check_config(cfg: RunConfig, typed: set[str], ref: dict,
+                 overrides: tuple[str, ...] = CHECK_OVERRIDES) -> tuple[RunConfig, list[str]]:
     """The configuration a saved reference is checked at: the options typed when it was saved,
     over the current defaults, with `CHECK_OVERRIDES` typed now on top (out: the reference's
     unless typed). Returns it and one line per other option whose current default differs from
@@ -192,14 +193,13 @@ def check_config(cfg: RunConfig, typed: set[str], ref: dict) -> tuple[RunConfig,
     now = cfg.to_json()
     norm = lambda v: json.loads(json.dumps(v, sort_keys=True))  # noqa: E731  tuples → lists
     clash = [f"--{k.replace('_', '-')} {now[k]!r} (the reference: {stored.get(k)!r})"
-             for k in sorted(typed - set(CHECK_OVERRIDES)) if norm(now[k]) != norm(stored.get(k))]
+             for k in sorted(typed - set(overrides)) if norm(now[k]) != norm(stored.get(k))]
     if clash:
-        raise ConfigError(f"--check: a saved reference is checked at its own configuration; "
-                          f"typed: {', '.join(clash)} (only {', '.join(CHECK_OVERRIDES)} may "
-                          "be set)")
+        raise ConfigError(f"--check: a reference is checked at its own configuration; "
+                          f"typed: {', '.join(clash)} (only {', '.join(overrides)} may be set)")
     kw = dict(now)
     kw.update({k: stored[k] for k in then | {"seed"} if k in stored and k in now
-               and not (k in typed and k in CHECK_OVERRIDES)})
+               and not (k in typed and k in overrides)})
     if "out" not in typed:
         kw["out"] = stored.get("out", now["out"])
     defaults = [f"--{k.replace('_', '-')}: {stored[k]!r} → {kw[k]!r}" for k in sorted(stored)
@@ -230,6 +230,11 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
     defaults: list[str] = []
     if ref["gradlab_reference"] == 2:
         cfg, defaults = check_config(cfg, typed, ref)
+    elif "config" in ref:  # the shipped reference: the main job's options, any seed
+        seed = cfg.seed
+        cfg, defaults = check_config(cfg, typed, {**ref, "typed": []},
+                                     CHECK_OVERRIDES + ("seed",))
+        cfg = replace(cfg, seed=seed, out=cfg.out if "out" in typed else "runs/reproduce")
     seeds = check_seeds(cfg, ref, k)
     folders = run_seeds(replace(cfg, seed=seeds[0]), seeds, fresh, say)
     summaries = [summarize(load_run(f)) for f in folders]
@@ -246,6 +251,8 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
         for obj, row in s.set_index("objective").iterrows():
             for metric, v in row.items():
                 values.setdefault(f"{obj}/{metric}", []).append(float(v))
+    for line in defaults if ref["gradlab_reference"] == 1 else []:
+        say(f"default changed since the reference: {line}")
     rows = stat_check(values, ref)
     why = (" against the shipped reference (another machine)" if ref["gradlab_reference"] == 1
            else f" (fallback: {_machine_gap(ref, folders)})")
@@ -276,8 +283,15 @@ def _exact_if_same_machine(ref: dict, seeds: list[int], folders: list[Path],
                            summaries: list[pd.DataFrame], say) -> bool | None:
     """On the reference's fingerprint: print the exact comparison and return whether anything
     changed; on another machine None (the caller compares statistically)."""
-    from .baseline import (compare_numbers, compare_series, exact_report, fingerprint,
-                           same_machine, series, summary_numbers)
+    from .baseline import (
+        compare_numbers,
+        compare_series,
+        exact_report,
+        fingerprint,
+        same_machine,
+        series,
+        summary_numbers,
+    )
 
     index = {s: i for i, s in enumerate(ref["seeds"])}
     if not all(same_machine(fingerprint(f), ref["runs"][index[s]]["fingerprint"])
