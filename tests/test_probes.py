@@ -443,3 +443,101 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     assert float(full["tax_norm"]) > 0
     for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
         assert float(cheap[k]) == pytest.approx(float(full[k]), rel=1e-4), k
+
+
+# ----------------------------------------------------------------------------- undefined is NaN
+
+
+def test_every_zero_denominator_ratio_is_nan_and_counts_stay_numbers():
+    """`_ratios` on sums whose denominators are all 0 (no row, group, token, node, residual,
+    branch point, repair): every ratio NaN, never 0; the counts and sums it keeps stay 0."""
+    import math
+
+    from gradlab.loop.update.metrics import TOKSUM, _ratios
+
+    zero = {k: 0.0 for k in (
+        "residual_prefix", "scale_prefix", "residual_trie", "scale_trie", "n_shared_prefix",
+        "n_shared_trie", "n_tokens", "entropy_sum", "entropy_shared_sum", "drift_node_kl_sum",
+        "drift_node_dlogp_sum", "drift_node_count", "drift_node_kl_count", "n_rows", "reward_sum",
+        "correct", "length_sum", "form0", "form1", "n_groups", "split_groups", "zero_std_groups",
+        "attr_residual", "attr_clip_sum", "adv_nonzero", "adv_abs_sum", "adv_abs_branch_sum",
+        "distinct_responses", "duplicate_responses", "branch_points", "informative_points",
+        "branch_depth_sum", "generated_tokens", "repairs_kept", "repairs_tried",
+        "edited_tokens")}
+    zero[f"{TOKSUM}clip_frac"] = 0.0
+    r = _ratios(zero)
+    ratios = ("rho_prefix", "rho_trie", "entropy", "entropy_shared", "drift_node_kl_mean",
+              "drift_node_dlogp_mean", "reward", "accuracy", "length", "form0_share",
+              "form1_share", "split_share", "zero_std_share", "attr_clip", "adv_nonzero_frac",
+              "adv_branch_share", "shared_frac_prefix", "shared_frac_trie", "clip_frac",
+              "distinct_per_group", "duplicates_per_group", "branch_points_per_group",
+              "informative_per_group", "informative_per_1k", "branch_depth", "repair_success",
+              "edited_per_repair")
+    assert [k for k in ratios if not math.isnan(r[k])] == []
+    for k in ("n_tokens", "n_rows", "n_groups", "scale_prefix", "residual_prefix",
+              "n_shared_prefix", "attr_residual", "repairs_tried"):
+        assert r[k] == 0.0, k  # a count or sum of nothing is 0, a number
+    # a measured 0 stays 0: residual 0 over a non-zero scale is "cancelled"
+    assert _ratios({"residual_prefix": 0.0, "scale_prefix": 2.0})["rho_prefix"] == 0.0
+
+
+def test_tax_share_and_cos_undefined_without_gradient():
+    from gradlab.probes.tax import _norms
+
+    z, g = {"w": torch.zeros(3)}, {"w": torch.tensor([1.0, 2.0, 2.0])}
+    none = _norms(z, z, ["w"])  # g_total = 0: share and cosine undefined
+    assert torch.isnan(none["tax_share"]) and torch.isnan(none["tax_cos"])
+    assert none["tax_norm"] == 0 and none["total_norm"] == 0
+    free = _norms(z, g, ["w"])  # g_tax = 0, g ≠ 0: share 0 (measured), cosine undefined
+    assert free["tax_share"] == 0 and torch.isnan(free["tax_cos"])
+    half = _norms({"w": torch.tensor([0.5, 1.0, 1.0])}, g, ["w"])
+    assert half["tax_share"] == 0.5 and half["tax_cos"] == pytest.approx(1.0)
+
+
+def test_step_tax_mean_skips_undefined_optimizer_steps():
+    """The rollout step's tax share averages the optimizer steps where it is defined: bitwise
+    the plain mean when all are, NaN when none is; a NaN of a non-finite g is kept."""
+    import math
+
+    from gradlab.loop.update.metrics import StepMetrics
+
+    def tax(share: float, total: float) -> dict:
+        t, norm = torch.tensor, 0.0 if total == 0 else share * total  # g = 0: g_tax = 0
+        return {"tax_norm": t(norm), "total_norm": t(total), "tax_share": t(share),
+                "tax_cos": t(1.0 if norm * total else math.nan),
+                "groups": {"mlp": {"tax_share": t(share), "total_norm": t(total)}}}
+
+    shares = [0.1, 0.3, 0.7]
+    acc = StepMetrics()
+    for s in shares:
+        acc.add_tax(tax(s, 2.0))
+    def mean(xs):  # as `finish` pools: float64 sum of the float32 values over their count
+        return float(torch.tensor(xs).double().sum()) / len(xs)
+
+    assert acc.finish()["tax_share"] == mean(shares)  # bitwise the plain mean
+    acc = StepMetrics()
+    for s, total in ((0.1, 2.0), (math.nan, 0.0), (0.7, 2.0)):
+        acc.add_tax(tax(s, total))
+    out = acc.finish()
+    assert out["tax_share"] == mean([0.1, 0.7]) and out["tax_share/mlp"] == mean([0.1, 0.7])
+    assert out["total_norm"] == 4.0 / 3  # the norms average every step
+    acc = StepMetrics()
+    for _ in range(2):
+        acc.add_tax(tax(math.nan, 0.0))
+    out = acc.finish()
+    assert math.isnan(out["tax_share"]) and math.isnan(out["tax_cos"])
+    acc = StepMetrics()
+    acc.add_tax(tax(0.1, 2.0))
+    acc.add_tax(tax(math.nan, math.nan))  # non-finite: stays NaN, never skipped
+    assert math.isnan(acc.finish()["tax_share"])
+
+
+def test_drift_mean_over_no_position_is_nan():
+    from gradlab.probes.drift import _stats
+
+    x = torch.ones(2, 3)
+    out = _stats("div_pos", x, x, torch.zeros(2, 3, dtype=torch.bool))
+    assert torch.isnan(out["div_pos_dlogp_mean"]) and torch.isnan(out["div_pos_kl_mean"])
+    assert out["div_pos_dlogp_sum"] == 0 and out["div_pos_count"] == 0
+    some = _stats("node", x * 2, x, torch.tensor([[True, False, False], [True, False, False]]))
+    assert some["node_dlogp_mean"] == 2.0 and some["node_count"] == 2
