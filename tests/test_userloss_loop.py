@@ -3,10 +3,14 @@ the built-ins with the same W measurement, its ρ and tax reach the end table an
 resume is exact, and its faults are one line with the right exit code."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tolerance import assert_close_f32
@@ -160,6 +164,28 @@ def test_resume_continues_the_user_loss_exactly(run, tmp_path):
     a, b = a.sort_values(cols).reset_index(drop=True), b.sort_values(cols).reset_index(drop=True)
     assert (a[a["step"] == 2]["objective"] == "dr_grpo").any()
     assert a[cols].equals(b[cols]) and a["value"].equals(b["value"])
+
+
+def test_two_torchrun_ranks_train_the_user_loss_as_one_process(tmp_path):
+    """torchrun (gloo, 2 CPU ranks): every metric of the user loss as one process computes it
+    on the same global batch (rtol 1e-4, as tests/test_ddp.py holds the built-ins)."""
+    args = ["tandem", "--objectives", f"{EXAMPLE}:dr_grpo,gspo", "--prompts", "4", "--G", "4",
+            "--minibatches", "2", "--probe-contexts", "2", "--tax-every", "1", "--eval-every",
+            "0", "--no-progress", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "gradlab", *args, "--out", str(tmp_path / "one")],
+                   env=env, check=True, capture_output=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", "-m", "gradlab", *args, "--out", str(tmp_path / "two")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    wa, wb = (gradlab.load_run(tmp_path / k, wide=True) for k in ("one", "two"))
+    wa, wb = (w[w["objective"] == "dr_grpo"].reset_index(drop=True) for w in (wa, wb))
+    cols = [c for c in wa.columns if wa[c].dtype.kind == "f" and not c.startswith("time_")
+            and c not in ("tax_cos", "attr_length")]
+    assert {"rho_prefix", "tax_share", "ratio_mean", "w_dev", "loss"} <= set(cols) and len(wa) == 2
+    for c in cols:
+        np.testing.assert_allclose(wb[c], wa[c], rtol=1e-4, atol=1e-6, err_msg=c)
 
 
 # ----------------------------------------------------------------------------- faults
