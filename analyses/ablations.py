@@ -148,7 +148,7 @@ def publish(w2: pd.DataFrame | None, w3: dict, out: Path, task: str, G2: int) ->
     "G=<g>"); all exploratory, held-out accuracy in points. G2: Table 2's group size. The seeds
     file holds every row. The differences whose runs are the Figure 3 tandem (Table 2's
     dfpo-min, dfpo-orth, grpo; Table 3 at G2) are experiment figure3's rows when figure3's
-    published seeds are these runs (one row per comparison), and this experiment's rows when
+    seeds file (beside ours, else the published one in figures/) holds these runs (one row per comparison), and this experiment's rows when
     they are other runs (Figure 3 re-trained after the ablations); returns which."""
     exp = EXPERIMENT if task == "arithmetic" else f"{EXPERIMENT}-{task}"
     key = dict(experiment=exp, task=task, matched="optimizer_steps")
@@ -157,7 +157,8 @@ def publish(w2: pd.DataFrame | None, w3: dict, out: Path, task: str, G2: int) ->
     seeds = pd.concat(parts, ignore_index=True).assign(**key)
     seeds = seeds[comparisons.SEED_KEYS + [c for c in seeds.columns if c not in comparisons.SEED_KEYS]]
     dest = FIGURES if out.resolve().is_relative_to(FIGURES.resolve()) else out
-    shared = fig3_shared(seeds, dest / f"{exp.replace(EXPERIMENT, figure3.EXPERIMENT)}_seeds.csv", G2)
+    name = f"{exp.replace(EXPERIMENT, figure3.EXPERIMENT)}_seeds.csv"  # beside ours, else published
+    shared = fig3_shared(seeds, dest / name if (dest / name).is_file() else FIGURES / name, G2)
     fig3_names = [n for n in TABLE2 if n in figure3.OBJECTIVES and n != "gspo"]
     names = EXTRA + ([] if shared else fig3_names)
     pairs = [] if w2 is None else [({**key, "layout": "independent", "objective": n},
