@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -179,11 +180,15 @@ def _checked_config(a: argparse.Namespace) -> RunConfig:
     check_context(cfg.max_new_tokens, cfg.model)
     check_device(cfg.device)
     check_model(cfg.model, cfg.trust_remote_code)
+    return cfg
+
+
+def _stop_signals(a: argparse.Namespace) -> None:
+    """The program (not main([...]) in a notebook or test) ignores a late signal once stopped:
+    only the exit is left. Set after the checks, where torch loads anyway."""
     from .loop.faults.preempt import StopSignals
 
-    # the program (not main([...]) in a notebook or test): once stopped, only the exit is left
     StopSignals.ignore_after_stop = getattr(a, "program", False)
-    return cfg
 
 
 @command("run", "train one objective", _run_args)
@@ -192,11 +197,14 @@ def cmd_train(a: argparse.Namespace) -> int:
     from .loop.train import train
     from .viz.summary import write_run_summary
 
+    _stop_signals(a)
+
     store = train(cfg, resume=a.resume)
     if not store.write:  # a data-parallel rank other than 0: rank 0 writes and reports
         return 0
     print(write_run_summary(store.path, cfg))
-    print(f"run folder: {store.path}  (summary.md; gradlab view {store.path}; gradlab.load_run)")
+    print(f"run folder: {store.path}  (summary.md; gradlab view {shlex.quote(str(store.path))}; "
+          "gradlab.load_run)")  # quoted: the hint pastes as one command
     return 0
 
 
@@ -214,6 +222,8 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     ref = load_check_reference(a)  # a bad file or option: refused before any work
     from .loop.recipes.reproduce import reproduce
     from .viz.summary import run_table
+
+    _stop_signals(a)
 
     if ref is not None or a.save_reference:  # loop/recipes/reproduce.py
         from .loop.recipes.reproduce import check_against, save_reference
@@ -351,6 +361,9 @@ def cmd_audit(a: argparse.Namespace) -> int:
 @command("doctor", "check that gradlab works on this machine (device, bf16, W exactness, a "
          "training step); prints a Markdown report", _doctor_args)
 def cmd_doctor(a: argparse.Namespace) -> int:
+    from .cli_args import check_doctor_args
+
+    check_doctor_args(a)  # before torch loads
     from .doctor import run_doctor
 
     return run_doctor(a)
@@ -377,7 +390,6 @@ def _resume_arg(v: str) -> str:
 def _resume_command(a: argparse.Namespace, out: str) -> str:
     """The command that continues a stopped run (untyped options come from config.json)."""
     import os
-    import shlex
 
     cmd = f"gradlab {a.cmd}" + (f" {shlex.quote(a.objective)}" if a.cmd == "run" else "")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the same torchrun launch
@@ -412,7 +424,7 @@ def _long_help(cmd: str, argv: list[str]) -> int:
 
 def _run(args: argparse.Namespace, program: bool) -> int:
     """args.fn(args), with the loop's failures as one line and their exit codes."""
-    args.program = program  # read by _checked_config (StopSignals)
+    args.program = program  # read by _stop_signals
     try:
         return args.fn(args)
     except Exception as e:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from .core.variants import split_top
-from .loop.config import ConfigError, check_model_files
+from .loop.config import ConfigError, check_model_files, check_objective_names
 
 
 def _table_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +81,16 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
                    "(default: printed only)")
     p.add_argument("--no-loop", dest="loop", action="store_false",
                    help="skip the one-step training run")
+
+
+def check_doctor_args(a: argparse.Namespace) -> None:
+    """`gradlab doctor`'s options, before torch loads (gradlab/doctor.py checks them again
+    for `python -m gradlab.doctor`)."""
+    if not (a.device in ("auto", "cpu", "cuda") or (a.device.startswith("cuda:")
+                                                    and a.device[5:].isdigit())):
+        raise ConfigError(f"--device: {a.device!r}; valid: auto, cpu, cuda, cuda:N")
+    if a.out is not None and not Path(a.out).parent.is_dir():
+        raise ConfigError(f"--out: folder {Path(a.out).parent} does not exist")
 
 
 def require(option: str, value: object, ok: bool, valid: str) -> None:
@@ -215,6 +225,7 @@ def check_variance_args(a: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--objectives: {e}") from None
     if not names:
         raise ConfigError("--objectives: give at least one objective")
+    check_objective_names(names)  # torch-free; the parameters are checked next, by building
     from .core import objectives
 
     for name in names:
@@ -277,6 +288,8 @@ def load_check_reference(a: argparse.Namespace) -> dict | None:
                           "runs of the current code; drop --resume")
     if not a.check:
         return None
+    if not Path(a.check).is_file():  # before scipy loads
+        raise ConfigError(f"--check: no reference at {a.check}")
     from .loop.recipes.reference import load_reference
 
     try:
@@ -313,7 +326,9 @@ def run_eval(a: argparse.Namespace) -> int:
     require("temperature", a.temperature, a.temperature > 0, "> 0")
     if not Path(a.path).exists():
         raise ConfigError(f"{a.path}: no such run, checkpoint or model folder")
-    from .loop.recipes.evaluation import evaluate_path
+    from .loop.recipes.evaluation import evaluate_path, targets
+
+    targets(a.path, a.objective, a.task)  # torch-free: a wrong folder or option at once
 
     try:
         df = evaluate_path(a.path, problems, a.samples, a.seed, a.objective, a.task,

@@ -166,14 +166,17 @@ def _type_name(t: object) -> str:
 def validate(c: RunConfig) -> None:
     """ConfigError naming the first bad option: the files (a task or model folder that cannot
     be used is the first thing to fix), then every value that needs no torch (a mistake is
-    answered at once), then the objectives, which are built (torch is imported)."""
+    answered at once), then the objectives with parameters or code, which are built (torch is
+    imported); a plain registry name builds with its defaults."""
     _validate_files(c)
     _validate_values(c)
-    from ..core import objectives, variants
+    from ..core import variants
 
     if not c.objectives:
         raise ConfigError("--objectives: give at least one objective")
-    for name in c.objectives:  # a name, optionally with [key=value, ...] (core/variants.py)
+    for name in filter(lambda n: _built(n, c), c.objectives):  # [key=value, ...]: variants.py
+        from ..core import objectives
+
         try:
             objectives.get(name, **c.objective_params.get(name, {}))  # parameters checked there
         except ValueError as e:
@@ -204,16 +207,7 @@ def _validate_files(c: RunConfig) -> None:
 
 def _validate_values(c: RunConfig) -> None:
     """Every option that needs no torch: numbers, names and their combinations."""
-    from ..core import variants
-
-    for name in c.objectives:  # the name only; its parameters are checked when it is built
-        try:
-            base = name if variants.is_user(name) else variants.parse(name)[0]
-        except ValueError as e:
-            raise ConfigError(f"--objectives: {e}") from None
-        if not variants.is_user(name) and base not in OBJECTIVE_NAMES:
-            raise ConfigError(f"--objectives: unknown objective {name!r}; valid: "
-                              f"{', '.join(OBJECTIVE_NAMES)} (each optionally with [key=value, ...])")
+    check_objective_names(c.objectives)
     checks = [
         ("G", c.G >= 2, "≥ 2 (a group needs two responses to compare)"),
         ("prompts", c.prompts >= 1, "≥ 1"),
@@ -262,6 +256,21 @@ def _validate_values(c: RunConfig) -> None:
         raise ConfigError("--mode same-batch measures the other objectives: it needs --probes")
     if c.adv_scale not in ADV_SCALES:
         raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADV_SCALES)}")
+
+
+def check_objective_names(names: list[str], option: str = "--objectives") -> None:
+    """ConfigError naming the first unknown objective name, without torch (the parameters in
+    its brackets are checked when it is built, `gradlab.core.objectives.get`)."""
+    from ..core import variants
+
+    for name in names:
+        try:
+            base = name if variants.is_user(name) else variants.parse(name)[0]
+        except ValueError as e:
+            raise ConfigError(f"{option}: {e}") from None
+        if not variants.is_user(name) and base not in OBJECTIVE_NAMES:
+            raise ConfigError(f"{option}: unknown objective {name!r}; valid: "
+                              f"{', '.join(OBJECTIVE_NAMES)} (each optionally with [key=value, ...])")
 
 
 def check_model_files(path: str | Path, trust_remote_code: bool = False,
@@ -314,7 +323,16 @@ def _validate_layout(c: RunConfig) -> None:
                           "cannot be combined with --split-groups")
 
 
+def _built(name: str, c: RunConfig) -> bool:
+    """Whether validating objective `name` needs building it: parameters or a user's code."""
+    from ..core import variants
+
+    return "[" in name or bool(c.objective_params.get(name)) or variants.is_user(name)
+
+
 def _is_repair_form(name: str, c: RunConfig) -> bool:
+    if not _built(name, c):  # a plain name takes its defaults: IBPO's form is ga+la
+        return False
     from ..core import objectives
 
     obj = objectives.get(name, **c.objective_params.get(name, {}))

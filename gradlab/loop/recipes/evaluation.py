@@ -25,22 +25,35 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pandas as pd
-import torch
+from ..config import ConfigError, check_model_files, check_types
+from ..runs.resume import read_config
 
-from ..rollouts.rollout import generate
-from ..setup.heldout import _draw, eval_problems, expected_accuracy, heldout_prompts, is_heldout  # noqa: F401
-from ..setup.policy import load_policy
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
 
+# torch, numpy and the samplers load on first use: `targets` (what `gradlab eval PATH` scores)
+# answers a wrong path or option before any of them (PEP 562 below)
+_HELDOUT = ("_draw", "eval_problems", "expected_accuracy", "heldout_prompts", "is_heldout")
 _DRAW_SALT = 1_000_033  # eval seed s > 0 → held-out problem stream s · salt
 _NOISE_SALT = 55_555_333  # eval seed → hashed sampling noise
+
+
+def __getattr__(name: str):
+    if name in _HELDOUT:  # re-exported from setup/heldout.py
+        from ..setup import heldout
+
+        return getattr(heldout, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def heldout_split(task) -> list:
     """Every held-out problem of a task whose space can be listed (`task.all_problems()`: the
     built-in tasks) or of a finite (JSONL) task; ValueError otherwise."""
+    from ..setup.heldout import heldout_prompts, is_heldout
+
     held = heldout_prompts(task)
     if held is not None:
         return [p for p in task.problems(len(task), seed=0) if p.prompt in held]
@@ -54,6 +67,8 @@ def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     """N distinct held-out problems: seed 0 the loop's evaluation set, seed s > 0 another draw
     (fewer than N when a finite task's held-out split is smaller); n = "all": the whole
     held-out split (`heldout_split`, the same for every seed)."""
+    from ..setup.heldout import _draw, eval_problems, heldout_prompts
+
     if n == "all":
         return heldout_split(task)
     if not isinstance(n, int) or n < 1:
@@ -66,18 +81,23 @@ def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     return _draw(task, n, seed * _DRAW_SALT, held, want_heldout=True, distinct=True)
 
 
-@torch.no_grad()
 def sampled_accuracy(model, tok, task, problems: list, samples: int, temperature: float,
                      seed: int, max_new_tokens: int | None = None) -> np.ndarray:
     """(N,) share of `samples` responses per problem that the verifier accepts; temperature 0:
     one argmax response (0/1). Noise hashed from (seed, row)."""
+    import numpy as np
+    import torch
+
+    from ..rollouts.rollout import generate
+
     if not problems:
         return np.zeros(0)
     k = 1 if temperature == 0 else samples
     dev = next(model.parameters()).device
     keys = (seed * 1_000_003 + _NOISE_SALT) * 1_000_003 + torch.arange(len(problems) * k)
-    ro = generate(model, tok, problems, k, max_new_tokens or task.max_new_tokens, temperature,
-                  task=task, row_keys=keys.to(dev))
+    with torch.no_grad():
+        ro = generate(model, tok, problems, k, max_new_tokens or task.max_new_tokens,
+                      temperature, task=task, row_keys=keys.to(dev))
     ok = np.array([task.is_correct(p, t) for p, t in zip(ro.problems, ro.texts)], dtype=float)
     return ok.reshape(len(problems), k).mean(1)
 
@@ -87,6 +107,11 @@ def evaluate_policy(model, tok, task, problems: int | str = 256, samples: int = 
     """Tidy scores of one policy: columns metric, value, se (standard error over problems),
     n_problems, samples, eval_seed, temperature. Accuracies in 0..1; `accuracy_expected` only
     where the task allows it (module docstring)."""
+    import numpy as np
+    import pandas as pd
+
+    from ..setup.heldout import expected_accuracy
+
     if samples < 1:
         raise ValueError(f"--samples must be ≥ 1, got {samples}")
     probs = heldout_draw(task, problems, seed)
@@ -110,12 +135,36 @@ def _checkpoints(path: Path, objective: str | None) -> list[tuple[str, Path]]:
         if ck.is_dir() else []
     if objective is not None:
         if objective not in names:
-            raise ValueError(f"--objective {objective!r}: no checkpoint in {ck}; "
-                             f"available: {', '.join(names) or 'none'}")
+            raise ConfigError(f"--objective {objective!r}: no checkpoint in {ck}; "
+                              f"available: {', '.join(names) or 'none'}")
         names = [objective]
     if not names:
-        raise ValueError(f"{path}: a run folder without checkpoints (nothing to evaluate)")
+        raise ConfigError(f"{path}: a run folder without checkpoints (nothing to evaluate)")
     return [(n, ck / n) for n in names]
+
+
+def targets(path: str | Path, objective: str | None = None,
+            task: str | None = None) -> tuple[Path | None, list[tuple[str, Path]]]:
+    """What `policies` loads, checked without torch: (the run folder, or None for a Hugging
+    Face model folder; [(label, checkpoint or model folder)]). A wrong path, objective or task,
+    or a run's config.json of the wrong types, is a ConfigError naming it."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file() and (path / "state.json").is_file():
+        run, found = path.parent.parent, [(path.name, path)]  # one checkpoint of a run
+    elif (path / "config.json").is_file() and "model_type" not in _json(path / "config.json"):
+        run, found = path, _checkpoints(path, objective)  # a run folder
+    elif (path / "config.json").is_file():
+        check_model_files(path, option="path")
+        return None, [(path.name, path)]
+    else:
+        raise ConfigError(f"{path}: neither a run folder, a checkpoint folder "
+                          "(model.safetensors + state.json) nor a model folder (config.json)")
+    stored = read_config(run / "config.json")
+    check_types(stored, str(run / "config.json"))
+    if task is not None and task != stored.get("task"):
+        raise ConfigError(f"--task {task!r}: the run at {run} was trained on "
+                          f"{stored.get('task')!r}")
+    return run, found
 
 
 def policies(path: str | Path, objective: str | None = None, task: str | None = None,
@@ -126,27 +175,18 @@ def policies(path: str | Path, objective: str | None = None, task: str | None = 
     from safetensors.torch import load_file
 
     from ..config import RunConfig
+    from ..setup.policy import load_policy
     from ..setup.task import get_task
 
-    path = Path(path)
-    if (path / "model.safetensors").is_file() and (path / "state.json").is_file():
-        run, ckpts = path.parent.parent, [(path.name, path)]  # one checkpoint of a run
-    elif (path / "config.json").is_file() and "model_type" not in _json(path / "config.json"):
-        run, ckpts = path, _checkpoints(path, objective)  # a run folder
-    elif (path / "config.json").is_file():
-        t = get_task(task or "arithmetic")
-        model, tok = load_policy(path, device=device)
-        yield path.name, model, tok, t
+    run, found = targets(path, objective, task)
+    if run is None:
+        model, tok = load_policy(found[0][1], device=device)
+        yield found[0][0], model, tok, get_task(task or "arithmetic")
         return
-    else:
-        raise FileNotFoundError(f"{path}: neither a run folder, a checkpoint folder "
-                                "(model.safetensors + state.json) nor a model folder (config.json)")
     cfg = RunConfig.from_json(run / "config.json")
     t = get_task(cfg.task, **({"difficulty": cfg.difficulty} if cfg.task == "arithmetic" else {}))
-    if task is not None and task != cfg.task:
-        raise ValueError(f"--task {task!r}: the run at {run} was trained on {cfg.task!r}")
     builtin = cfg.task in ("arithmetic", "scaffold")
-    for name, ck in ckpts:
+    for name, ck in found:
         model, tok = load_policy(cfg.model, task=t if builtin else None, device=device,
                                  trust_remote_code=cfg.trust_remote_code)
         model.load_state_dict(load_file(ck / "model.safetensors"), strict=False)  # tied: once
@@ -157,13 +197,15 @@ def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not readable JSON ({e})") from None
+        raise ConfigError(f"{path}: not readable JSON ({e})") from None
 
 
 def evaluate_path(path: str | Path, problems: int | str = 256, samples: int = 1, seed: int = 0,
                   objective: str | None = None, task: str | None = None,
                   temperature: float = 1.0) -> pd.DataFrame:
     """`evaluate_policy` for every policy `policies(path, ...)` yields; a `policy` column."""
+    import pandas as pd
+
     frames = [evaluate_policy(m, tok, t, problems, samples, seed, temperature).assign(policy=label)
               for label, m, tok, t in policies(path, objective, task)]
     df = pd.concat(frames, ignore_index=True)

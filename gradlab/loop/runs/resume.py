@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 from dataclasses import fields
 from pathlib import Path
 
@@ -190,7 +191,8 @@ def reproduce_action(cfg: RunConfig, resume: bool) -> str:
         if cfg.steps == total:
             return "redraw"
         raise ConfigError(f"--out {cfg.out} holds a finished run of {total} steps: type "
-                          f"`gradlab reproduce --out {cfg.out} --steps {cfg.steps} --resume` to "
-                          "extend it")
+                          f"`gradlab reproduce --out {shlex.quote(cfg.out)} --steps {cfg.steps} "
+                          "--resume` to extend it")
     raise ConfigError(f"--out {cfg.out} holds a partial run (checkpointed {done} of {total} "
-                      f"steps): type `gradlab reproduce --out {cfg.out} --resume` to continue it")
+                      f"steps): type `gradlab reproduce --out {shlex.quote(cfg.out)} --resume` "
+                      "to continue it")

@@ -23,7 +23,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from ..faults.untrusted import check_pickles, check_remote_code
+from ..config import check_model_files
+from ..faults.untrusted import check_pickles
 from ..numerics.arch import choose_attn, set_dropout
 from ..numerics.logprobs import token_logps
 from ..rollouts.rollout import encode_pairs, generate  # noqa: F401  (encode_pairs: re-exported)
@@ -300,7 +301,9 @@ def load_policy(
     """Load (model, tokenizer).
 
     path: a local Hugging Face causal-LM folder (model + its tokenizer); FileNotFoundError if
-        missing. path=None: the warm-started tiny policy for `task` (default ArithmeticTask(2)):
+        missing, ConfigError naming what it lacks (weights, tokenizer files:
+        `check_model_files`). path=None: the warm-started tiny policy for `task` (default
+        ArithmeticTask(2)):
         the shipped gradlab/data/default_policy for the default task, otherwise warm-started on
         first use (seed 0) and cached under `cache_root(cache_dir)/<task.key>-seed0`.
     The model is returned in eval mode on `device`, dropout off unless `dropout`
@@ -313,7 +316,7 @@ def load_policy(
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model folder (config.json) at {path}")
-        check_remote_code(path, trust_remote_code)
+        check_model_files(path, trust_remote_code)  # weights and tokenizer present, or named
         check_pickles(path)
         return _load_folder(path, device, attn, trust_remote_code, dropout)
     attn = "eager" if attn == "auto" else attn  # the toy policies: exact under left padding
