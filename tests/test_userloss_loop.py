@@ -84,6 +84,16 @@ def test_missing_file_or_function_is_exit_2_before_any_work(tmp_path, capsys):
         assert not (tmp_path / "o").exists()
 
 
+def test_a_module_that_raises_on_import_is_exit_3_before_any_work(tmp_path, monkeypatch, capsys):
+    (tmp_path / "imp.py").write_text("x = undefined_thing\ndef f(batch):\n    return batch.logps.sum()\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["tandem", "--objectives", "imp.py:f,grpo", "--out", "o", "--steps", "1"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gradlab tandem: error: objective imp.py:f: importing imp.py raised NameError("
+                   "\"name 'undefined_thing' is not defined\") (exit code 3: a fault in the loss)"]
+    assert not (tmp_path / "o").exists()
+
+
 # ----------------------------------------------------------------------------- in the loop
 
 
