@@ -26,6 +26,7 @@ from gradlab.loop.rollouts.tree import decode, generate_tree, mix_keys, tree_sha
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.update.step import micro_batches
+from tolerance import assert_close_f32
 
 G = 8
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -70,7 +71,7 @@ def _recompute(model, tok, ro, c: int, p: int, t: int, key: torch.Tensor, T: int
                  ex, T, 1.0, stops, len(tok))
     L = int(ro.lengths[c])
     assert int(ref.lengths[0]) == L and torch.equal(ref.tokens[0, t:L], ro.response_ids[c, t:L])
-    torch.testing.assert_close(ref.logps[0, t:L], ro.old_logps[c, t:L], atol=1e-5, rtol=0)
+    assert_close_f32(ref.logps[0, t:L], ro.old_logps[c, t:L], msg="KV-reused vs recomputed")
     if alternative:
         assert ro.response_ids[c, t] != ro.response_ids[p, t]  # a different decision
     assert int(ro.generated[c]) == L - t
@@ -80,7 +81,7 @@ def _check_children(model, tok, ro, keys, T, alternative):
     """Every branched row equals its recomputation from scratch (`_recompute`); old_logps
     equal token_logps' recomputation."""
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-    torch.testing.assert_close(lp.detach(), ro.old_logps, atol=5e-5, rtol=0)
+    assert_close_f32(lp.detach(), ro.old_logps, msg="sampler vs forward log-probs")
     for c in (ro.parent >= 0).nonzero().squeeze(-1).tolist():
         _recompute(model, tok, ro, c, int(ro.parent[c]), int(ro.branch_at[c]), keys[c], T,
                    alternative)
@@ -172,7 +173,7 @@ def test_repair_rollout(setup, mode):
     rep = (ro.repair_of >= 0).nonzero().squeeze(-1)
     assert rep.numel() > 0 and ro.repairs_tried >= rep.numel()
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-    torch.testing.assert_close(lp.detach(), ro.old_logps, atol=5e-5, rtol=0)
+    assert_close_f32(lp.detach(), ro.old_logps, msg="sampler vs forward log-probs")
     for r in rep.tolist():
         i, d = int(ro.repair_of[r]), int(ro.branch_at[r])
         assert ro.group[i] == ro.group[r] and ro.rewards[i] == 0 and ro.rewards[r] == 1

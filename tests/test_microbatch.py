@@ -27,6 +27,7 @@ from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.train import Learner, train
 from gradlab.loop.update.metrics import StepMetrics
 from gradlab.loop.update.step import _accumulate, micro_batches, optimizer_step
+from tolerance import assert_close_f32, f32_atol
 
 G = 4
 VARIANTS = [(n, {}) for n in objectives.names()] + [
@@ -69,11 +70,6 @@ def _one_pass(model, obj, ro, adv, rows):
     return grads, -lp.grad, ent.detach(), loss.detach()
 
 
-def _close(a, b, rtol=1e-5):
-    scale = float(b.detach().abs().max()) + 1e-30
-    return float((a - b).abs().max()) <= rtol * scale
-
-
 @pytest.mark.parametrize("name,params", VARIANTS, ids=IDS)
 def test_micro_batched_gradient_and_w_equal_one_pass(setup, name, params):
     model, ro, adv, rows = setup
@@ -87,9 +83,10 @@ def test_micro_batched_gradient_and_w_equal_one_pass(setup, name, params):
         L = Learner(name, obj, model, None, None)
         batch, W, ent, loss = _accumulate(L, cfg, ro, adv, rows, tot)
         for n, p in model.named_parameters():
-            assert _close(p.grad, ref_g[n]), (mb, n)
-        assert _close(W, ref_W) and _close(ent, ref_ent), mb
-        assert torch.isclose(loss, ref_loss, rtol=1e-5, atol=1e-8), mb
+            assert_close_f32(p.grad, ref_g[n], msg=f"micro-batch {mb}: {n}")
+        assert_close_f32(W, ref_W, msg=f"micro-batch {mb}: W")
+        assert_close_f32(ent, ref_ent, msg=f"micro-batch {mb}: entropy")
+        assert_close_f32(loss, ref_loss, msg=f"micro-batch {mb}: loss")
         assert torch.equal(batch.tokens, ro.response_ids[rows])
     model.zero_grad(set_to_none=True)
 
@@ -123,10 +120,13 @@ def test_whole_step_readings_equal(setup, name, params):
     assert one["drift_node_count"] > 0 and one["total_norm"] > 0
     assert one["tax_norm"] > 0 or name.startswith("dfpo")  # DFPO: no residual at full-group nodes
     for k in one:
-        assert one[k] == pytest.approx(mic[k], rel=1e-4, abs=1e-7), k
+        assert one[k] == pytest.approx(mic[k], rel=1e-4, abs=1e-7, nan_ok=True), k
     for n, p in model.named_parameters():
         upd = float((p1[n] - p).detach().abs().max())
-        assert upd > 0 and float((p2[n] - p1[n]).detach().abs().max()) <= 1e-6 + 1e-4 * upd, n
+        # the two updates differ by the gradients' round-off (≤ 1e-4 of the update) plus the
+        # rounding of p + update (ulps of the parameters' own magnitude)
+        tol = f32_atol(p1[n], ulps=64) + 1e-4 * upd
+        assert upd > 0 and float((p2[n] - p1[n]).detach().abs().max()) <= tol, n
 
 
 def test_micro_batches_hold_whole_groups():
@@ -163,7 +163,8 @@ def test_two_step_run_equal_with_and_without_micro_batch(tmp_path):
     ta = gradlab.load_traces(tmp_path / "mbNone")
     tb = gradlab.load_traces(tmp_path / "mb4")
     assert len(ta) == len(tb) > 0
-    np.testing.assert_allclose(tb["W"], ta["W"], rtol=1e-4, atol=1e-9)
+    # W after optimizer steps on micro-batched gradients: round-off grows over the steps
+    assert_close_f32(tb["W"].to_numpy(), ta["W"].to_numpy(), ulps=1024, msg="W traces")
 
 
 def test_bad_micro_batch_is_a_one_line_error():

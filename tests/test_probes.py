@@ -25,6 +25,7 @@ from gradlab.probes import (
     node_drift,
 )
 from gradlab.testing import measure_modulation
+from tolerance import assert_close_f32
 
 V, P, T, N_GROUPS, G, PREFIX = 16, 3, 8, 3, 4, 3
 B = N_GROUPS * G
@@ -154,8 +155,10 @@ def test_shared_positions_have_equal_logps(setup):
     sn = shared_nodes(batch, "trie")
     rows, cols = (sn.node >= 0).nonzero(as_tuple=True)
     ref = lp[sn.rep[sn.node[rows, cols]], cols]
-    tol = 1e-12 if lp.dtype == torch.float64 else 1e-5
-    assert (lp[rows, cols] - ref).abs().max() < tol
+    if lp.dtype == torch.float64:
+        assert (lp[rows, cols] - ref).abs().max() < 1e-12
+    else:  # one prefix in other rows of the batch: other kernel blocks, round-off only
+        assert_close_f32(lp[rows, cols], ref, msg="shared positions' log-probs")
     assert sn.n > shared_nodes(batch, "prefix").n > 0  # trie nodes beyond the prefix
 
 
@@ -323,7 +326,7 @@ def test_hooks_removed_on_exit_and_exception(setup):
     assert not lp._backward_hooks  # both hooks are gone
     g = torch.autograd.grad(loss, lp, retain_graph=True)[0]
     assert probe.W is None and t.W_tilde is None
-    assert torch.allclose(-g, objectives.get("grpo").modulation(batch), rtol=0, atol=1e-6)
+    assert_close_f32(-g, objectives.get("grpo").modulation(batch), msg="autograd vs closed-form W")
     with ModulationProbe() as probe:
         probe.watch(lp)
     loss.backward(retain_graph=True)
@@ -391,9 +394,9 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
         cfg = RunConfig(progress=False, G=4, micro_batch=mb)
         nodes_before = node_logprobs(model, cfg, ro, rows, sn)
         assert torch.equal(nodes_before.kept, torch.arange(sn.n))  # tiny V: every node kept
-        assert torch.allclose(nodes_before.dist, before[sn.rep, sn.position], atol=1e-5)
+        assert_close_f32(nodes_before.dist, before[sn.rep, sn.position], msg="node log-probs")
         tok_before = before[sn.rep, sn.position].gather(-1, sn.token[:, None]).squeeze(-1)
-        assert torch.allclose(nodes_before.token_logp, tok_before, atol=1e-5)
+        assert_close_f32(nodes_before.token_logp, tok_before, msg="node token log-probs")
         acc = StepMetrics()
         drift_step(Learner("x", None, after_model, None, None), cfg, ro, rows, b, nodes_before,
                    sn, heavy, acc)

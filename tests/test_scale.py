@@ -7,6 +7,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from gradlab.loop.numerics import logprobs as lpmod
 from gradlab.loop.numerics.logprobs import token_logps
+from tolerance import assert_close_f32
 
 QWEN_VOCAB = 151_936  # Qwen3 embedding rows (the tokenizer has 151,669 ids)
 
@@ -61,11 +62,11 @@ def test_chunked_equals_plain_values_and_gradients(chunk, tie):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         if mode == "plain":
             ref = (lp.detach(), ent.detach())
-    torch.testing.assert_close(lp.detach(), ref[0], atol=2e-6, rtol=0)
-    torch.testing.assert_close(ent.detach(), ref[1], atol=2e-6, rtol=0)
+    assert_close_f32(lp.detach(), ref[0], msg="log-probs")
+    assert_close_f32(ent.detach(), ref[1], msg="entropy")
     assert (lp[~batch[3]] == 0).all() and (ent[~batch[3]] == 0).all()
     for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5, msg=n)
+        assert_close_f32(grads[1][n], grads[0][n], msg=n)
 
 
 def test_chunk_checkpoint_never_holds_full_logits(monkeypatch):
@@ -96,12 +97,11 @@ def test_real_vocabulary_logps_match_small_chunk_reference():
         one = [b[1:2] for b in batch]
         lp1, ent1, full = token_logps(model, *one, return_entropy=True, return_logprobs=True)
     assert lpmod.LOGIT_BUDGET // QWEN_VOCAB < 200  # the default chunk is bounded
-    # log-probs ~ -12 nats here: 5e-6 is a few float32 ulps
-    torch.testing.assert_close(lp, lp3, atol=5e-6, rtol=0)
-    # entropy ~ 11.9 nats, two float32 formulas summed over 151,936 terms: rtol 1e-5
-    torch.testing.assert_close(ent, ent3, atol=0, rtol=1e-5)
-    torch.testing.assert_close(lp[1:2], lp1, atol=5e-6, rtol=0)
-    torch.testing.assert_close(ent[1:2], ent1, atol=0, rtol=1e-5)
+    # log-probs ~ -12 nats, entropy ~ 11.9 nats summed over 151,936 terms in two orders
+    assert_close_f32(lp, lp3, msg="log-probs")
+    assert_close_f32(ent, ent3, msg="entropy")
+    assert_close_f32(lp[1:2], lp1, msg="log-probs, one row")
+    assert_close_f32(ent[1:2], ent1, msg="entropy, one row")
     assert full.shape == (1, 6, QWEN_VOCAB)
 
 
@@ -120,7 +120,7 @@ def test_real_vocabulary_sampling_masks_padded_ids_and_stops_on_eos_list():
     ro = generate(model, tok, probs, G=4, max_new_tokens=10, row_keys=torch.arange(8))
     assert int(ro.response_ids.max()) < len(tok)
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
-    torch.testing.assert_close(lp.detach(), ro.old_logps, atol=5e-5, rtol=0)
+    assert_close_f32(lp.detach(), ro.old_logps, msg="sampler vs forward log-probs")
     for ids, m in zip(ro.response_ids, ro.response_mask):
         body = ids[m].tolist()
         assert not {eq, tok.eos_token_id} & set(body[:-1])  # nothing after the first stop id
@@ -184,7 +184,7 @@ def test_grad_checkpointing_gives_the_same_gradients():
         token_logps(model, *batch, chunk=4).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        assert_close_f32(a, b)
 
 
 def test_math_verifier(tmp_path, monkeypatch):

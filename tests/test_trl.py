@@ -27,6 +27,7 @@ from gradlab.integrations.trl import (
     reconstruct_groups,
 )
 from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, pool_windows, quiet
+from tolerance import assert_close_f32
 
 G = 8
 
@@ -85,12 +86,12 @@ def test_hook_W_is_the_gradient_of_trls_loss(tmp_path):
         rows = inputs[ROW_KEY]
         W_ref = trl_autograd_W(tr, state, inputs)
         assert W_ref.abs().max() > 0
-        torch.testing.assert_close(w.W[rows], W_ref, rtol=1e-5, atol=1e-9)
+        assert_close_f32(w.W[rows], W_ref, msg="hooked W vs TRL's autograd W")
         # and gradlab's closed form (GSPO) on the same rows agrees with both
         b = TokenBatch(tokens=w.batch.tokens[rows], mask=w.batch.mask[rows],
                        logps=w.batch.logps[rows], old_logps=w.batch.old_logps[rows],
                        advantages=w.batch.advantages[rows], group=w.batch.group[rows])
-        torch.testing.assert_close(gspo.modulation(b), W_ref, rtol=1e-4, atol=1e-8)
+        assert_close_f32(gspo.modulation(b), W_ref, msg="GSPO closed form vs TRL's autograd W")
     assert not torch.equal(w.batch.logps, w.batch.old_logps)  # really off-policy
 
 
@@ -221,7 +222,7 @@ def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path, loss
     R = torch.tensor(list(tr._logs["rewards"][tr.reward_func_names[0]]))  # TRL's own record
     A = gradlab.process_advantages(w.batch.tokens, w.batch.mask, w.batch.group, R, form, reweight)
     A = A / reward_scale(R, w.batch.group, scale or "group", eps=1e-4).unsqueeze(-1)
-    torch.testing.assert_close(w.batch.advantages, A, rtol=1e-6, atol=1e-7)
+    assert_close_f32(w.batch.advantages, A, msg="advantages")
     assert bool(((A != A[:, :1]) & w.batch.mask).any())  # token-level on this batch
     grpo = objectives.get("grpo", eps=(tr.epsilon_low, tr.epsilon_high), norm="token")
     # dapo divides by the generation batch's tokens × grad_accum / steps_per_generation (TRL)
@@ -239,7 +240,7 @@ def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path, loss
                        advantages=A[rows], group=w.batch.group[rows],
                        n_tokens=n_tok // spg)
         if loss_type == "dapo":
-            torch.testing.assert_close(grpo.modulation(b), W_ref, rtol=1e-4, atol=1e-9)
+            assert_close_f32(grpo.modulation(b), W_ref, msg="dapo closed form vs TRL's W")
     assert not torch.equal(w.batch.logps, w.batch.old_logps)  # the 2nd call is off-policy
     df = gradlab.load_run(tmp_path / "store")
     assert set(df.objective) == {f"trl-{loss_type}-{level}+{spec}"}
