@@ -182,3 +182,15 @@ def test_strip_rho_of_a_tied_group_is_undefined():
     assert np.isnan(df.attrs["rho"]["grpo"])
     fig = viz.token_strips(df)
     assert "ρ = — (no gradient at shared tokens)" in fig.axes[0].get_title()
+
+
+def test_node_residual_of_a_tied_group_is_undefined():
+    b = random_batch(n_groups=2, G=4, T=10, seed=2)
+    tr, _ = traces_of(b, ("grpo",))
+    tr.loc[tr["group"] == 0, "W"] = 0.0  # group 0 tied: W ≡ 0 at its nodes
+    nodes = viz.node_residuals(tr, "prefix")
+    tied, other = nodes[nodes["group"] == 0], nodes[nodes["group"] == 1]
+    assert len(tied) and tied["rel"].isna().all() and (tied["mass"] == 0).all()
+    assert other["rel"].notna().all()
+    label = viz.residual_distribution(tr).axes[0].get_xlabel()
+    assert f"{len(tied)} nodes undefined (W ≡ 0, not drawn)" in label

@@ -9,7 +9,6 @@ gradlab.cancellation for d = c − c* (our choice: traces carry W, not the refer
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import seaborn as sns
 
@@ -20,7 +19,8 @@ KEYS = ["objective", "step", "opt_step"]
 
 def node_residuals(traces: pd.DataFrame, kind: str = "prefix") -> pd.DataFrame:
     """One row per node of `kind` ("prefix" | "trie") in the traces: objective, step, opt_step,
-    node, group, position, size, net (Σ W), mass (Σ|W|), rel = |net| / mass (0 when mass is 0)."""
+    node, group, position, size, net (Σ W), mass (Σ|W|), rel = |net| / mass (NaN when mass is
+    0: W ≡ 0 at the node, e.g. a tied group, where nothing cancels or fails to)."""
     if kind not in ("prefix", "trie"):
         raise ValueError(f"node_residuals: kind={kind!r}; valid: prefix, trie")
     col = f"{kind}_node"
@@ -28,15 +28,18 @@ def node_residuals(traces: pd.DataFrame, kind: str = "prefix") -> pd.DataFrame:
     out = t.groupby(KEYS + [col], sort=False).agg(
         group=("group", "first"), position=("position", "first"), size=("row", "size"),
         net=("W", "sum"), mass=("absW", "sum")).reset_index().rename(columns={col: "node"})
-    out["rel"] = np.where(out["mass"] > 0, out["net"].abs() / out["mass"].where(out["mass"] > 0), 0.0)
+    out["rel"] = out["net"].abs() / out["mass"].where(out["mass"] > 0)  # mass 0: NaN
     return out
 
 
 def residual_distribution(traces: pd.DataFrame, kind: str = "prefix",
                           floor: float = 1e-9) -> plt.Figure:
     """Per objective, the distribution of |Σ_i W| / Σ|W| over the traced nodes (log axis; values
-    under `floor`, float round-off of an exact cancellation, drawn at the floor, band shaded)."""
+    under `floor`, float round-off of an exact cancellation, drawn at the floor, band shaded).
+    Nodes where it is undefined (W ≡ 0) are not drawn; the axis label counts them."""
     nodes = node_residuals(traces, kind)
+    undefined = int(nodes["rel"].isna().sum())
+    nodes = nodes[nodes["rel"].notna()]
     nodes["rel_shown"] = nodes["rel"].clip(lower=floor)
     fig, ax = plt.subplots(figsize=(7, 0.6 * max(2, nodes["objective"].nunique()) + 1.2))
     if len(nodes):
@@ -45,7 +48,8 @@ def residual_distribution(traces: pd.DataFrame, kind: str = "prefix",
     ax.axvspan(floor / 10, floor, color="0.85", zorder=0, label="float round-off")
     ax.set_xlim(left=floor / 10)
     ax.set_xlabel(f"|Σ_i W| / Σ|W| at {'full-group' if kind == 'prefix' else 'trie'} nodes "
-                  "(0 = exact cancellation)")
+                  "(0 = exact cancellation)" + (f"; {undefined} nodes undefined (W ≡ 0, not "
+                                                "drawn)" if undefined else ""))
     ax.set_ylabel("")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""Why a stored ratio is NaN: the reason a table prints beside its "—".
+"""Why a stored ratio is NaN: the reason a table prints beside its "—"
+(docs/concepts/shared-nodes.md#undefined-is-nan-not-0).
 
 The store holds NaN for a ratio whose denominator is 0 (`gradlab.loop.update.metrics._ratios`)
 and nothing for one that was not measured; both read back as NaN. The sums and counts a ratio
