@@ -212,7 +212,8 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
                        "responses": [ro.texts[i] for i in first],
                        "rewards": ro.rewards[first].tolist()}, "samples.jsonl")
             post[L.name] = f"r={rec['reward']:.2f}" + (
-                f" ρ={rec['rho_prefix']:.2f}".replace("nan", "—")  # NaN: undefined\n                if "rho_prefix" in rec else "")
+                f" ρ={rec['rho_prefix']:.2f}".replace("nan", "—")  # NaN: undefined
+                if "rho_prefix" in rec else "")
         bar.set_postfix_str(" | ".join(f"{k}: {v}" for k, v in post.items()))
         stop = signals.requested(D, cfg.device)  # a signal: every rank stops after this step
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps or stop:
