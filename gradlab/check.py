@@ -7,7 +7,8 @@ A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on
   synthetic/<variant>/<regime>  `random_batch` groups, seeds 0-2, regimes of `testing.REGIMES`:
                                 on (on-policy, unequal lengths), near (off_policy 0.3), far
                                 (off_policy 1.0: a PPO clip at eps 0.2 fires), on-eq (on-policy,
-                                equal lengths)
+                                equal lengths), and close (off_policy 3e-3: sequence ratios
+                                straddle GSPO's clip bounds 1 − 3e-4 and 1 + 4e-4)
   model/<variant>/on            the shipped tiny Qwen3: 4 prompts × G=8 sampled with a fixed
                                 generator, measured before any update (every ratio 1)
   model/<variant>/off           the same rollout's 2nd minibatch (groups 2-3) after one AdamW
@@ -63,11 +64,14 @@ from pathlib import Path
 import torch
 
 from . import check_baseline as cb
+from .testing import REGIMES
 from .userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
 
 BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
 SEEDS = (0, 1, 2)
-COLUMNS = ("on", "near", "far", "on-eq", "model-on", "model-off")
+COLUMNS = ("on", "near", "far", "on-eq", "close", "model-on", "model-off")
+# the synthetic regimes: testing.REGIMES and one near GSPO's tight clip, so its bounds are seen
+SYNTHETIC = {**REGIMES, "close": {"off_policy": 3e-3}}
 # variant → (objective name, parameters)
 VARIANTS = {
     "grpo": ("grpo", {}), "grpo-const": ("grpo", {"norm": "const"}),
@@ -77,27 +81,27 @@ VARIANTS = {
 }
 # Expected ρ per regime column (COLUMNS): 0 = cancels (docs/concepts/shared-nodes.md: exchangeable), + = does not
 # (a mechanism of §3 is active), . = baseline only (depends on the sample, e.g. real lengths).
-# grpo far: asymmetric clipping; grpo-seq/gspo on: 1/T_i; gspo near/far/model-off: coupling
-# and GSPO's tight sequence clip; on-eq: GSPO = GRPO; dfpo-scale = ½·GSPO at shared tokens;
+# grpo far: asymmetric clipping; grpo-seq/gspo on: 1/T_i; gspo near/far/close/model-off:
+# coupling and GSPO's tight sequence clip; on-eq: GSPO = GRPO; dfpo-scale = ½·GSPO at shared tokens;
 # dfpo-nosg: the gradient through w̃ adds a row-dependent term.
 EXPECT_PREFIX = """
-grpo       0 0 + 0 0 .
-grpo-const 0 0 + 0 0 .
-grpo-seq   + + + 0 . .
-grpo-fix   0 0 0 0 0 0
-gspo       + + + 0 . +
-gspo-token + + + 0 . +
-dfpo-min   0 0 0 0 0 0
-dfpo-orth  0 0 0 0 0 0
-dfpo-scale + + + 0 . +
-dfpo-nosg  + + + + + +
+grpo       0 0 + 0 0 0 .
+grpo-const 0 0 + 0 0 0 .
+grpo-seq   + + + 0 + . .
+grpo-fix   0 0 0 0 0 0 0
+gspo       + + + 0 + . +
+gspo-token + + + 0 + . +
+dfpo-min   0 0 0 0 0 0 0
+dfpo-orth  0 0 0 0 0 0 0
+dfpo-scale + + + 0 + . +
+dfpo-nosg  + + + + + + +
 """
 # Trie nodes: a subset's Σ A is legitimate credit; constant-scale token objectives stay
 # exchangeable there (DFPO's default scope is the full-group prefix only: baseline only).
 EXPECT_TRIE = """
-grpo       0 0 . 0 0 .
-grpo-const 0 0 . 0 0 .
-grpo-fix   0 0 0 0 0 0
+grpo       0 0 . 0 0 0 .
+grpo-const 0 0 . 0 0 0 .
+grpo-fix   0 0 0 0 0 0 0
 """
 DEFAULT_TOL = {
     "synthetic": {"max_abs": 1e-6, "mean": 1e-8, "zero": 1e-9, "hook": 1e-9},
@@ -188,11 +192,11 @@ def _hook_dev(W, closed, batch) -> float | None:
 
 
 def run_synthetic(sc: Scenario) -> Result:
-    from .testing import REGIMES, measure_modulation, random_batch
+    from .testing import measure_modulation, random_batch
 
     pre, tri, devs, rec = [], [], [], []
     for s in SEEDS:
-        b = random_batch(n_groups=4, G=4, T=12, seed=s, **REGIMES[sc.regime])
+        b = random_batch(n_groups=4, G=4, T=12, seed=s, **SYNTHETIC[sc.regime])
         W = measure_modulation(sc.loss(), b)
         p, t = _rhos(W, b)
         pre.append(p), tri.append(t), devs.append(_hook_dev(W, sc.closed, b))

@@ -9,7 +9,7 @@ import torch
 
 from gradlab import check, objectives
 from gradlab import check_baseline as cb
-from gradlab.core.objectives import GRPO, GRPOFix
+from gradlab.core.objectives import GRPO, GSPO, GRPOFix
 from gradlab.loop import config
 from gradlab.loop.config import RunConfig
 from gradlab.testing import (
@@ -127,7 +127,7 @@ def test_update_writes_environment_and_refuses_violations(tmp_path, monkeypatch)
     assert check.main(["--update", "--baseline", str(p), "--only", "dfpo-min", "--no-model"]) == 0
     b = json.loads(p.read_text())
     assert {"python", "torch", "transformers", "platform"} <= set(b["environment"])
-    assert set(b["scenarios"]) == {f"synthetic/dfpo-min/{r}" for r in ("on", "near", "far", "on-eq")}
+    assert set(b["scenarios"]) == {f"synthetic/dfpo-min/{r}" for r in check.SYNTHETIC}
     assert check.main(["--baseline", str(p), "--only", "dfpo-min", "--no-model"]) == 0
     monkeypatch.setattr(objectives.GRPOFix, "active", GRPO.active)
     assert check.main(["--update", "--baseline", str(p), "--only", "grpo-fix", "--no-model"]) == 1
@@ -184,7 +184,7 @@ def test_rescaled_or_flipped_loss_is_named_with_its_factor(my_baseline, capsys, 
     assert check.main(["--loss", spec, "--baseline", str(base), "--no-model"]) == 1
     out = capsys.readouterr().out
     fails = {ln.split(":")[1]: ln for ln in out.splitlines() if ln.startswith("FAIL synthetic")}
-    for regime in ("on", "near", "far", "on-eq"):  # every scenario, by name, with the factor
+    for regime in check.SYNTHETIC:  # every scenario, by name, with the factor
         assert f"W scaled {text}" in fails[f"drgrpo_loss/{regime}"]
     assert "compared exactly" in out
 
@@ -264,6 +264,16 @@ def test_changed_default_lr_is_seen_in_model_off(tmp_path, monkeypatch, capsys):
     assert "FAIL model/grpo/off: W changed" in out and "FAIL model/grpo/on" not in out
     assert f"lr: {RunConfig().lr} → {RunConfig().lr / 2}" in out
     assert "scenario(s) failed: model/grpo/off" in out
+
+
+def test_gspo_clip_bound_is_seen_in_close(monkeypatch, capsys):
+    """GSPO's upper sequence-clip bound 4e-4 → 5e-4: only the "close" regime (sequence ratios
+    straddling the bounds) sees it; the shipped baseline names the scenarios."""
+    monkeypatch.setattr(GSPO.__init__, "__defaults__", ((3e-4, 5e-4), 0.0))
+    assert check.main(["--only", "synthetic/gspo/", "--no-model"]) == 1
+    out = capsys.readouterr().out
+    assert "scenario(s) failed: synthetic/gspo/close\n" in out
+    assert "FAIL synthetic/gspo/close: |Δρ|" in out and "W changed" in out
 
 
 def test_old_rho_only_baseline_still_reads(tmp_path, capsys):
