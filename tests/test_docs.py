@@ -206,3 +206,27 @@ def test_the_project_cites_only_its_own_documentation():
             and (ROOT / p).suffix in (".py", ".md", ".ipynb", ".yml", ".toml", ".txt", "")
             and name in (ROOT / p).read_text(errors="ignore")]
     assert not hits, hits
+
+
+def test_pages_opened_from_disk_log_no_console_error(site):
+    """A page opened as a file (file://, no server) logs no console error: it loads the search
+    index as search/search_index.js (docs/_hooks/gradlab_docs.py writes it); the theme hides
+    its search box there, since the browser runs no search worker from disk."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium binary (.ci/run installs it: apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    seen = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        for path in ("index.html", "concepts/modulation/index.html"):
+            pg, errors = browser.new_page(), []
+            pg.on("console", lambda m, e=errors: e.append(m.text) if m.type == "error" else None)
+            pg.on("pageerror", lambda x, e=errors: e.append(str(x)))
+            pg.goto((site / path).as_uri(), wait_until="load")
+            pg.wait_for_timeout(1000)  # the index script loads after the page
+            seen[path] = (errors, pg.inner_text("article")[:200])
+        browser.close()
+    for path, (errors, text) in seen.items():
+        assert not errors and text.strip(), (path, errors)

@@ -1,5 +1,6 @@
-"""MkDocs hooks: the CLI reference from gradlab's own argument parsers, and the repository's
-figures (PNG images and the Markdown tables beside them) published with the site.
+"""MkDocs hooks: the CLI reference from gradlab's own argument parsers, the repository's
+figures (PNG images and the Markdown tables beside them) published with the site, and the
+search index as a script for pages opened from disk.
 
 The CLI page holds the marker `<!-- gradlab:cli -->`; at build time it is replaced by the help
 text that `gradlab <command> --help` prints, for every sub-command the parser in
@@ -14,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +82,16 @@ def on_files(files, config):
             if files.get_file_from_path(uri) is None:
                 files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
+
+
+@event_priority(-100)  # after the search plugin has written search_index.json
+def on_post_build(config) -> None:
+    """search/search_index.js beside search_index.json: a page opened from disk (file://) loads
+    the index as a script, since the browser refuses to fetch it, and finds none without this
+    file (a console error). The browser runs no search worker from disk, so there the search
+    box stays hidden; served over http (python -m http.server -d site) search works."""
+    folder = Path(config.site_dir) / "search"
+    index = folder / "search_index.json"
+    if index.is_file():
+        (folder / "search_index.js").write_text("var __index = " + index.read_text(encoding="utf-8"),
+                                                encoding="utf-8")

@@ -147,7 +147,8 @@ def targets(path: str | Path, objective: str | None = None,
             task: str | None = None) -> tuple[Path | None, list[tuple[str, Path]]]:
     """What `policies` loads, checked without torch: (the run folder, or None for a Hugging
     Face model folder; [(label, checkpoint or model folder)]). A wrong path, objective or task,
-    or a run's config.json of the wrong types, is a ConfigError naming it."""
+    or a run's config.json of the wrong types, is a ConfigError naming it; a folder that is
+    none of the three, FileNotFoundError."""
     path = Path(path)
     if (path / "model.safetensors").is_file() and (path / "state.json").is_file():
         run, found = path.parent.parent, [(path.name, path)]  # one checkpoint of a run
@@ -157,7 +158,7 @@ def targets(path: str | Path, objective: str | None = None,
         check_model_files(path, option="path")
         return None, [(path.name, path)]
     else:
-        raise ConfigError(f"{path}: neither a run folder, a checkpoint folder "
+        raise FileNotFoundError(f"{path}: neither a run folder, a checkpoint folder "
                           "(model.safetensors + state.json) nor a model folder (config.json)")
     stored = read_config(run / "config.json")
     check_types(stored, str(run / "config.json"))
