@@ -19,6 +19,7 @@ import gradlab
 from gradlab.loop.config import RunConfig
 from gradlab.loop.train import train
 from gradlab.viz import save, training_curves
+from gradlab.viz.undefined import text_table
 
 PANELS = [("accuracy", "training accuracy"), ("rho_prefix", "cancellation ratio ρ (full-group nodes)")]
 
@@ -33,8 +34,9 @@ def main(run: str | None, out: str | None, steps: int) -> None:
     df = gradlab.load_run(run)
     out = out or str(Path(run) / "plot.png")
     save(training_curves(df, PANELS, x="step"), out)
-    last = df[(df["step"] == df["step"].max()) & df["metric"].isin(["accuracy", "rho_prefix"])]
-    print(last.pivot_table(index="objective", columns="metric", values="value").to_string())
+    wide = gradlab.load_run(run, wide=True)
+    last = wide[wide["step"] == wide["step"].max()]  # an undefined ρ prints "—" and why
+    print(text_table(last, ["objective", "accuracy", "rho_prefix"], fmt=lambda x: f"{x:.10g}"))
     print(f"wrote {out}")
 
 

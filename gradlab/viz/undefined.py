@@ -115,10 +115,11 @@ def _num(x: float) -> str:
 
 def text_table(wide: pd.DataFrame, cols: list[str], fmt=_num) -> str:
     """Plain-text table of `cols` of a wide run table (one row per step, e.g.
-    `load_run(..., wide=True)`), right-aligned; a NaN cell is "—" with a footnote marker
-    whose reason (`step_reason` of that row) is listed under the table."""
+    `load_run(..., wide=True)`), right-aligned, text columns as they are; a NaN cell is "—"
+    with a footnote marker whose reason (`step_reason` of that row) is listed under the table."""
     notes = Footnotes()
-    body = [[notes.cell(r[c], step_reason(r, c), fmt) if c in r else "—" for c in cols]
+    body = [[str(r[c]) if isinstance(r.get(c), str) else
+             notes.cell(r[c], step_reason(r, c), fmt) if c in r else "—" for c in cols]
             for _, r in wide.iterrows()]
     width = [max(len(c), *(len(b[i]) for b in body)) if body else len(c)
              for i, c in enumerate(cols)]
