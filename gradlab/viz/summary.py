@@ -86,7 +86,7 @@ def write_run_summary(run: str | Path, cfg=None) -> str:
             f"rollout {cfg.rollout}, mode {cfg.mode}\n\n" if cfg is not None else "")
     note = ("Held-out accuracy: sampled accuracy on problems never trained on, at the last "
             "evaluation (--eval-every).")
-    write_file(Path(run) / "summary.md", f"# gradlab run: {Path(run).name}\n\n{what}{table} {note}\n")
+    write_file(Path(run) / "summary.md", f"# gradlab run: {Path(run).name}\n\n{what}{table}\n\n{note}\n")
     return table
 
 
