@@ -66,8 +66,8 @@ def run_table(run: str | Path, last: int = LAST) -> str:
         cells = [notes.cell(r["reward"], NOT_MEASURED), notes.cell(r["heldout"], NOT_MEASURED),
                  *(notes.cell(r[m], r[f"why_{m}"]) for m in RATIOS)]  # markers in column order
         lines.append(f"| {r['objective']} | " + " | ".join(cells) + " |")
-    legend = notes.legend()
-    return "\n".join(lines) + "\n\n" + NOTE + ("\n" + legend if legend else "")
+    legend = notes.legend().replace("\n", "  \n")  # Markdown: one line each (hard breaks)
+    return "\n".join(lines) + "\n\n" + NOTE + ("\n\n" + legend if legend else "")
 
 
 NOTE = ("ρ: cancellation ratio at shared nodes (0 = the shared part cancels; undefined, —, "
