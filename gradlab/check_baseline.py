@@ -5,8 +5,8 @@ exact record of W itself per seed (`w_record`): Σ W, Σ|W|, ‖W‖₂, two fix
 Σ W·r₁ and Σ W·r₂, and the number of tokens with W ≠ 0. ρ is scale-free; these are not, so a loss
 whose gradient is consistently rescaled, sign-flipped, or that drops a token is seen.
 
-The baseline also records the machine it was made on (`fingerprint`: CPU model, torch and
-transformers builds, the check's intra-op threads) and, for information only, the gradlab code
+The baseline also records the machine it was made on (`fingerprint`: CPU model and the
+kernels torch uses on it, torch and transformers builds, the check's intra-op threads) and, for information only, the gradlab code
 hash. Two modes:
 
   exact      same fingerprint: every number must agree to round-off: EXACT_ULPS ulps of the
@@ -61,14 +61,16 @@ def w_record(W: torch.Tensor) -> dict:
 
 
 def fingerprint(threads: int) -> dict:
-    """What makes the check's numbers bitwise reproducible: CPU model, torch and transformers
+    """What makes the check's numbers bitwise reproducible: CPU model, the kernels torch picked
+    for it (AVX512, AVX2, DEFAULT, …: a CPU model name can be generic), torch and transformers
     builds, and the intra-op threads the check computes with."""
     import transformers
 
     from .provenance import cpu_model
 
-    return {"cpu_model": cpu_model(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": threads}
+    return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": threads}
 
 
 def code_hash(skip: Path) -> str:
