@@ -17,8 +17,14 @@ Writes figures/regression_power.md (change × check → caught / missed and what
 figures/regression_power.json (every command's exit code and findings, with provenance: code
 hash, commit, CPU, torch, threads).
 
+Separately, `--shipped RUN ...` holds finished main-job runs (`gradlab reproduce --seed S`, made
+here) to the shipped reference exactly as `gradlab reproduce --check` does, each run as its own
+K = 1 check: the false alarms of unmodified code on this machine, or what a change does
+(figures/regression_power_shipped.md and .json).
+
     nice python analyses/regression_power.py            # ~30 min of one core here
     python analyses/regression_power.py --only lr_1e-9  # one change (and the reference)
+    python analyses/regression_power.py --shipped runs/main/seed5 runs/main/seed6 --label lr1e-9=runs/x
 """
 
 from __future__ import annotations
@@ -225,14 +231,65 @@ def markdown(results: dict, prov: dict, seconds: float) -> str:
         "figures/regression_power.json."])
 
 
+def shipped(folders: list[str], labels: dict[str, str]) -> tuple[str, dict]:
+    """Each finished main-job run against the shipped reference as a K = 1 check (the t tests
+    of `gradlab reproduce --check`): flagged numbers per run, and the runs' provenance."""
+    from gradlab import provenance as run_provenance
+    from gradlab.loop.recipes.reference import load_reference, stat_check
+    from gradlab.loop.recipes.reproduce import summarize
+    from gradlab.loop.runs.store import load_run
+
+    ref = load_reference()
+    rows, record = [], {}
+    for f in folders:
+        s = summarize(load_run(f)).set_index("objective")
+        values = {f"{o}/{m}": [float(s.loc[o, m])] for o in s.index for m in s.columns}
+        r = stat_check(values, ref)
+        bad = r[r["flagged"]]
+        seg = (run_provenance.read(f) or {"segments": [{}]})["segments"][-1]
+        cfg = json.loads((Path(f) / "config.json").read_text())
+        what = labels.get(f, "unmodified")
+        named = ", ".join(f"{o}/{m} (t {t:.2g})" if t == t else f"{o}/{m}" for o, m, t in
+                          zip(bad["objective"], bad["metric"], bad["t"]))
+        rows.append(f"| {f} | {what} | {cfg['seed']} | {len(bad)} of {len(r)} | "
+                    f"{named or '—'} | {seg.get('code_hash')} |")
+        record[f] = {"what": what, "seed": cfg["seed"], "lr": cfg["lr"], "flagged": named,
+                     "n_flagged": len(bad), "n_numbers": len(r), "provenance": seg}
+    fa = [v for v in record.values() if v["what"] == "unmodified"]
+    n_bad = sum(v["n_flagged"] > 0 for v in fa)
+    md = "\n".join([
+        "# The statistical check against the shipped reference, on this machine", "",
+        f"Each finished main-job run (150 steps, one thread) checked as `gradlab reproduce --check` "
+        f"does with K = 1: two-sample t per number at 99 % against the shipped 5 seeds "
+        f"({ref['machine']['cpu_model']}); this machine is another one.", "",
+        "| run | code | seed | numbers flagged | which (t) | run's code hash |",
+        "|---|---|---|---|---|---|", *rows, "",
+        f"Unmodified code: {n_bad} of {len(fa)} runs with any number flagged "
+        f"({sum(v['n_flagged'] for v in fa)} of {sum(v['n_numbers'] for v in fa)} numbers)."])
+    return md, record
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", choices=sorted(CHANGES), help="these changes only")
     p.add_argument("--threads2-seeds", type=int, default=3,
                    help="seeds of the 2-thread check of the unmodified code (0: skip)")
     p.add_argument("--out", default=str(FIGURES), help="folder for regression_power.*")
+    p.add_argument("--shipped", nargs="+", metavar="RUN",
+                   help="only hold these finished main-job runs to the shipped reference")
+    p.add_argument("--label", nargs="*", default=[], metavar="WHAT=RUN",
+                   help="--shipped runs made by changed code (default: unmodified)")
     a = p.parse_args(argv)
     prov, t0 = provenance("regression_power.py", argv), time.time()
+    if a.shipped:
+        labels = {run: what for what, run in (x.split("=", 1) for x in a.label)}
+        md, record = shipped(a.shipped + [r for r in labels if r not in a.shipped], labels)
+        md += f"\n\n{stamp(prov)}."
+        (Path(a.out) / "regression_power_shipped.md").write_text(md + "\n")
+        (Path(a.out) / "regression_power_shipped.json").write_text(json.dumps(
+            {"provenance": prov, "runs": record}, indent=1, default=str))
+        print(md)
+        return 0
     with tempfile.TemporaryDirectory(prefix="regression_power") as tmp:
         results = study(Path(tmp), a.only or list(CHANGES), a.threads2_seeds)
     seconds = time.time() - t0

@@ -36,13 +36,6 @@ def _check(d, capsys, *extra) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_unchanged_code_rerun_is_identical(saved, capsys):
-    code, out = _check(saved, capsys, "--seeds", "1", "--out", str(saved / "b"))
-    assert code == 0, out
-    assert f"trained {saved / 'b'} (seed 0)" in out and "code: the reference's" in out
-    assert f"|Δ| ≤ {RTOL:g}" in out and "identical" in out
-
-
 def test_a_run_of_the_same_code_is_reused_and_said(saved, capsys):
     code, out = _check(saved, capsys)  # the reference's own folders, both seeds
     assert code == 0, out
@@ -62,7 +55,8 @@ def test_a_changed_loss_is_caught_with_the_first_step(saved, capsys, monkeypatch
     assert "CHANGED:" in out and "| gspo |" not in out  # GSPO's policy trains apart
 
 
-def test_a_run_of_other_code_is_never_reused(saved, capsys):
+def test_a_run_of_other_code_is_never_reused_and_the_rerun_is_identical(saved, capsys):
+    """The reference's seed-0 run with a faked code hash: moved aside, re-trained, identical."""
     shutil.copytree(saved / "a", saved / "e")
     prov = json.loads((saved / "e" / "provenance.json").read_text())
     for seg in prov["segments"]:
@@ -72,6 +66,7 @@ def test_a_run_of_other_code_is_never_reused(saved, capsys):
     assert code == 0, out
     assert "made by other code (0123456789abcdef;" in out and "trained afresh" in out
     assert "identical" in out and (saved / "e.prev").is_dir()
+    assert f"|Δ| ≤ {RTOL:g}" in out and "code: the reference's" in out
 
 
 def test_another_machine_falls_back_to_statistics(saved, capsys):
