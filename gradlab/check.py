@@ -14,22 +14,20 @@ A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on
   model/<variant>/off           the same rollout's 2nd minibatch (groups 2-3) after one AdamW
                                 step on the 1st (groups 0-1) with the training loop's defaults
                                 (`RunConfig()`: lr, weight decay, gradient clip, temperature,
-                                advantage scale), as in the training loop
+                                advantage scale)
 
 Each scenario is held to (1) the invariants of docs/concepts/shared-nodes.md (`EXPECT_PREFIX`, `EXPECT_TRIE`):
 exchangeable objectives cancel (ρ ≈ 0), non-exchangeable ones do not (ρ > 0), and the hook
 equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: ρ and
-W itself per scenario (a compact exact record of W, so a rescaled, sign-flipped or masked
-gradient is seen, and "W scaled ×2.00" names a consistent rescale), and per source the mean
-signed Δρ (a drift of everything at once). The baseline records the machine it was made on
-(`gradlab.check_baseline`): on the same machine every number must agree to round-off (16 ulps
-of float64 synthetic, float32 model); on another it is compared with tolerances, and the output
-says which. If the sampled rollout
-differs on another machine the model scenarios skip the baseline comparison and say so (they
-still check the invariants); on the same machine that is a change. Exit code 0: all good; 1: a
-violation or a change (named); 2: bad arguments; 3: the user's loss raised or returned a
-non-scalar (its traceback is shown). `--loss pkg.mod:fn` imports from the working directory
-first.
+W itself per scenario (a compact exact record of W: a rescaled, sign-flipped or masked gradient
+is seen, "W scaled ×2.00" names a consistent rescale), and per source the mean signed Δρ. The
+baseline records the machine it was made on (`gradlab.check_baseline`): there every number must
+agree to round-off (16 ulps of float64 synthetic, float32 model); on another machine tolerances
+apply, and the output says which. A sampled rollout that differs on another machine skips the
+model scenarios' baseline comparison (said; invariants still checked); on the same machine it
+is a change. Exit code 0: all good; 1: a violation or a change (named); 2: bad arguments; 3:
+the user's loss raised or returned a non-scalar (traceback shown). `--loss pkg.mod:fn` imports
+from the working directory first.
 
     gradlab check                         # built-in objectives vs the invariants and the baseline
     gradlab check --only gspo             # scenarios whose name contains "gspo"
@@ -181,6 +179,8 @@ def loss_scenarios(fn: Callable, label: str, expect: str = "cancels") -> list[Sc
 def _rhos(W, batch) -> tuple[float, float]:
     from .core.cancellation import cancellation
 
+    if not bool(torch.isfinite(W[batch.mask]).all()):  # undefined; check_invariants names it
+        return float("nan"), float("nan")
     return cancellation(W, batch, "prefix").ratio, cancellation(W, batch, "trie").ratio
 
 
@@ -288,6 +288,9 @@ def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict
     """Append violations of the invariants (docs/concepts/shared-nodes.md) to each result's `problems`."""
     for r, sc in zip(results, scenarios):
         t = tol[sc.source]
+        bad = [i for i, w in enumerate(r.W) if not torch.isfinite(torch.tensor(w["sum_abs"]))]
+        if bad:  # ρ of a NaN W compares as neither 0 nor > 0: say so instead
+            r.problems.append(f"W is not finite (NaN or inf) on seed(s) {bad}")
         for metric in ("rho_prefix", "rho_trie"):
             rho, mark = max(getattr(r, metric)), sc.expect[metric]
             if mark == "0" and rho > t["zero"]:
@@ -296,6 +299,11 @@ def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict
                 r.problems.append(f"{metric} {rho:.3g} < {tol['positive']:g}: expected a residual")
         if r.hook_dev is not None and r.hook_dev > t["hook"]:
             r.problems.append(f"hook W ≠ closed form (rel. {r.hook_dev:.2g})")
+
+
+def _worst(rhos: list[float]) -> str:
+    """The largest ρ, "—" where undefined (a non-finite W: the FAIL line says so)."""
+    return "—" if any(x != x for x in rhos) else f"{max(rhos):.3g}"
 
 
 def render(results: list[Result], scenarios: list[Scenario]) -> str:
@@ -310,7 +318,8 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
         dev = "—" if r.hook_dev is None else f"{r.hook_dev:.1e}"
         dlt = "—" if r.delta is None else f"{r.delta:.1e}"
         status = "FAIL" if r.problems else "ok" + (f" ({r.note})" if r.note else "")
-        lines.append(f"{r.key:<30} {max(r.rho_prefix):>9.3g} {max(r.rho_trie):>9.3g} {exp:>6} "
+        rp, rt = (_worst(getattr(r, m)) for m in ("rho_prefix", "rho_trie"))
+        lines.append(f"{r.key:<30} {rp:>9} {rt:>9} {exp:>6} "
                      f"{dev:>11} {dlt:>9} {r.w_base:>8}  {status}")
     lines += [f"FAIL {r.key}: " + "; ".join(r.problems) for r in results if r.problems]
     return "\n".join(lines)

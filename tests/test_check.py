@@ -140,6 +140,14 @@ def test_committed_baseline_records_environment():
     assert set(b["scenarios"]) == {s.key for s in check.builtin_scenarios()}
 
 
+def test_non_finite_w_is_named(tmp_path, capsys):
+    f = tmp_path / "nan_loss.py"
+    f.write_text("def nan_loss(b):\n    return (b.logps * float('nan')).sum()\n")
+    assert check.main(["--loss", f"{f}:nan_loss", "--no-model", "--only", "/on-eq"]) == 1
+    assert "FAIL synthetic/loss:nan_loss/on-eq: W is not finite (NaN or inf) on seed(s) [0, 1, 2]" \
+        in capsys.readouterr().out
+
+
 def test_bad_arguments_exit_2(capsys):
     assert check.main(["--loss", "no_colon"]) == 2
     assert check.main(["--loss", "gradlab.core.objectives:nope"]) == 2
