@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from gradlab import check, objectives
+from gradlab import check, objectives, testing
 from gradlab import check_baseline as cb
 from gradlab.core.objectives import GRPO, GSPO, GRPOFix
 from gradlab.loop import config
@@ -138,6 +138,10 @@ def test_committed_baseline_records_environment():
     b = json.loads(check.BASELINE.read_text())
     assert {"python", "torch", "transformers", "platform"} <= set(b["environment"])
     assert set(b["scenarios"]) == {s.key for s in check.builtin_scenarios()}
+    assert {"cpu_model", "cpu_capability", "torch", "threads"} <= set(b["fingerprint"])
+    assert b["model_setup"]["training"] == testing.training_defaults()
+    for key, v in b["scenarios"].items():  # W per seed: 3 synthetic, 1 model
+        assert len(v["W"]) == (len(check.SEEDS) if key.startswith("synthetic") else 1), key
 
 
 def test_non_finite_w_is_named(tmp_path, capsys):
