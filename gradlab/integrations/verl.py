@@ -139,8 +139,8 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 
 
 def split_share(group: Tensor, part: Tensor) -> float:
-    """Share of groups (group, part: (B,) long) whose rows fall into more than one part
-    (NaN with no group: undefined)."""
+    """Share of groups (group, part: (B,) long) whose rows fall into more than one part (NaN
+    with no group)."""
     gid, sizes = group_index(group)
     lo = torch.full_like(sizes, torch.iinfo(torch.long).max).scatter_reduce(0, gid, part, "amin")
     hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, part, "amax")
@@ -239,8 +239,8 @@ def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, c
 
 def _measure(W: Tensor, batch: TokenBatch, config, base: str, agg: str,
              W_base: Tensor | None) -> dict[str, float]:
-    """Micro-batch figures (W̃ and W = W_base under DFPO). Each ρ is NaN where it is
-    undefined (`defined_ratio`: no node of its kind, or W ≡ 0 there: every group tied)."""
+    """Micro-batch figures (W̃ and W = W_base under DFPO); a ρ is NaN where undefined
+    (`defined_ratio`: no node of its kind, or W ≡ 0 there: every group tied)."""
     trie = shared_nodes(batch, "trie")
     full = trie.full_group()
     c = cancellation(W, batch, sn=full)
@@ -300,10 +300,8 @@ def _modulation(loss: Tensor, log_prob: Tensor) -> Tensor:
 
 
 def _reported(ours: dict[str, float]) -> dict[str, float]:
-    """The `gradlab/*` figures handed to verl, without the undefined (NaN) ones: verl averages
-    each key over the micro-batches that report it (np.mean), so a micro-batch whose ρ is
-    undefined (every group tied, no full-group token) leaves it out of the mean instead of
-    pulling it to 0 or making it NaN; a step where no micro-batch defines it logs no value."""
+    """The `gradlab/*` figures for verl without the undefined (NaN) ones: verl averages a key
+    over the calls that report it, so an undefined ρ is left out, never a 0 or a NaN mean."""
     return {f"gradlab/{k}": v for k, v in ours.items() if not math.isnan(v)}
 
 
