@@ -54,6 +54,7 @@ from ..loop.runs.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
 from .trl_ibpo import IBPOLoss, check_trainer, local_advantages, parse_loss
 from .trl_resume import ResumeMixin, open_store
+from .trl_tax import TRLTaxProbe, check_tax
 from .trl_window import (  # noqa: F401  (public here too)
     GROUP_KEY,
     ROW_KEY,
@@ -83,6 +84,8 @@ class GradlabConfig:
         for that many groups, in the run store (0 = none).
     loss: None (TRL's GRPO advantages) or "ibpo[form=..., reweight=..., scale=...]": IBPO token
         advantages fed to TRL's loss (module doc; `gradlab.integrations.trl_ibpo`).
+    tax_every: the learning tax ‖g_tax‖/‖g‖ on every k-th optimizer step of a measured window
+        (0 = off; one extra forward + backward over the nodes' rows: `gradlab.integrations.trl_tax`).
     """
 
     store: str | None = "auto"
@@ -97,6 +100,7 @@ class GradlabConfig:
     trace_every: int = 1
     trace_groups: int = 2
     loss: str | None = None
+    tax_every: int = 0
 
     def __post_init__(self) -> None:
         for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
@@ -104,6 +108,9 @@ class GradlabConfig:
             if getattr(self, name) not in valid:
                 shown = "≥ 1" if name == "every" else valid
                 raise ValueError(f"GradlabConfig: {name}={getattr(self, name)!r}; valid: {shown}")
+        if not isinstance(self.tax_every, int) or self.tax_every < 0:
+            raise ValueError(f"GradlabConfig: tax_every={self.tax_every!r}; valid: an int ≥ 0 "
+                             "(0 = no tax probe)")
         if min(self.trace_every, self.trace_groups) < 0:
             raise ValueError(f"GradlabConfig: trace_every={self.trace_every}, trace_groups="
                              f"{self.trace_groups}; valid: ≥ 0 (0 = no traces)")
@@ -129,6 +136,8 @@ class GradlabMixin(ResumeMixin):
         super().__init__(*args, **kwargs)
         self.gradlab = gradlab if gradlab is not None else GradlabConfig()
         self._gl_check()
+        self._gl_tax = TRLTaxProbe(self.gradlab.tax_every)  # `trainer._gl_tax.steps`: per step
+        check_tax(self)
         self._gl_gen: dict | None = None  # local unshuffled generation batch
         self._gl_parts: list[dict] = []  # one per loss call of the current window
         self._gl_armed, self._gl_inputs = False, None
@@ -194,7 +203,8 @@ class GradlabMixin(ResumeMixin):
                 A = local_advantages(self, self._gl_rewards, out, mask, group)
                 out["advantages"] = A.to(out["advantages"].dtype)
             self._gl_gen = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
-                            "tokens": cids, "mask": mask, "advantages": out["advantages"],
+                            "tokens": cids, "mask": mask, "attn": out["completion_mask"],
+                            "advantages": out["advantages"],
                             "group": group}
             self._gl_tokens += int(self.accelerator.gather(mask.sum()).sum())  # all processes
         return out
@@ -226,6 +236,7 @@ class GradlabMixin(ResumeMixin):
         out = super().training_step(model, inputs, num_items_in_batch)
         if self._gl_parts and "hooks" in self._gl_parts[-1]:
             self._gl_harvest(self._gl_parts[-1])
+            self._gl_tax.after_backward(self, self._gl_parts[-1])  # on its schedule
         if self._gl_parts and self._step % self.args.steps_per_generation == 0:
             self._gl_close_window()
         return out
@@ -289,6 +300,7 @@ class GradlabMixin(ResumeMixin):
     # --- per window --------------------------------------------------------------------
     def _gl_close_window(self) -> None:
         parts, self._gl_parts = self._gl_parts, []
+        tax = self._gl_tax.drain()  # the window's taxed optimizer steps (empty: none)
         gen = self._gl_gen
         if gen is None or not all(p["measure"] for p in parts):
             return
@@ -296,6 +308,7 @@ class GradlabMixin(ResumeMixin):
         if w is None:
             return
         w.metrics = window_metrics(w.batch, w.W, w.opt, w.micro, w.W_base, self.gradlab.trie)
+        w.metrics.update(tax)
         self.gradlab_window = w
         if self.gradlab.keep_windows:
             self.gradlab_windows.append(w)
