@@ -242,6 +242,10 @@ def test_exact_on_this_machine_tolerances_on_another(my_baseline, capsys):
     assert check.main(["--loss", _write(loss, factor="2.0"), "--baseline", str(base),
                        "--no-model"]) == 1
     assert "W scaled ×2.00 against the baseline" in capsys.readouterr().out
+    # merging some scenarios of this machine into another machine's baseline is refused
+    assert check.main(["--loss", spec, "--baseline", str(base), "--update", "--no-model",
+                       "--only", "near"]) == 2
+    assert "made on another machine; rerun --update without them" in capsys.readouterr().err
 
 
 def test_common_factor_needs_every_statistic():
