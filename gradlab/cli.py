@@ -29,6 +29,7 @@ from .cli_args import (
     _variance_args,
     _view_args,
     add_check_arg,
+    failure_code,
     load_check_reference,
 )
 
@@ -344,6 +345,8 @@ def cmd_variance(a: argparse.Namespace) -> int:
 
 @command("check", "regression check of cancellation residuals vs a baseline", _check_args)
 def cmd_check(a: argparse.Namespace) -> int:
+    if a.baseline and not a.update and not Path(a.baseline).is_file():  # before torch loads
+        raise ConfigError(f"--baseline: {a.baseline} does not exist (--update writes a new one)")
     from .check import run_checked
 
     return run_checked(a)
@@ -387,16 +390,6 @@ def _resume_arg(v: str) -> str:
     return v
 
 
-def _resume_command(a: argparse.Namespace, out: str) -> str:
-    """The command that continues a stopped run (untyped options come from config.json)."""
-    import os
-
-    cmd = f"gradlab {a.cmd}" + (f" {shlex.quote(a.objective)}" if a.cmd == "run" else "")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the same torchrun launch
-        cmd = f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m {cmd}"
-    return f"{cmd} --out {shlex.quote(str(out))} --resume"
-
-
 def main(argv: list[str] | None = None) -> int:
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -428,39 +421,10 @@ def _run(args: argparse.Namespace, program: bool) -> int:
     try:
         return args.fn(args)
     except Exception as e:
-        code = _failure(e, args)
+        code = failure_code(e, args)
         if code is None:
             raise
         return code
-
-
-def _failure(e: Exception, args: argparse.Namespace) -> int | None:
-    """The exit code of a loop failure `e` after printing its line; None for anything else.
-    A failure class is looked up only where its module is loaded (one that is not loaded
-    raised nothing), so the argument checks before it never import torch."""
-    from .loop.faults.atomic import EXIT_WRITE, WriteError
-    from .loop.runs.resume import CorruptFileError
-
-    preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (
-        "loop.faults.preempt", "loop.faults.guard", "userloss"))
-    say = lambda msg: print(f"gradlab {args.cmd}: {msg}", file=sys.stderr)  # noqa: E731
-    if preempt is not None and isinstance(e, preempt.Preempted):  # checkpointed
-        if e.main:  # rank 0 alone says how to resume
-            say(e.describe(_resume_command(args, e.out)))
-        return e.exit_code
-    if isinstance(e, WriteError):
-        say(f"error: {e}")
-        return EXIT_WRITE
-    if guard is not None and isinstance(e, guard.NonFiniteError):
-        say(f"error: {e}")
-        return guard.EXIT_NONFINITE
-    if userloss is not None and isinstance(e, userloss.UserLossError):  # --objectives file.py:fn
-        say(f"error: {e} (exit code 3: a fault in the loss)")
-        return 3
-    if isinstance(e, (FileNotFoundError, FileExistsError, CorruptFileError)):
-        say(f"error: {e}")
-        return 2
-    return None
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@ RunConfig's fields, gradlab/cli.py), and the argument checks that need the file 
 
 Each check raises `ConfigError` with one line naming the option and its valid values; the CLI
 prints it and exits 2. They run before any work (no model is loaded, nothing is written).
-Nothing here imports torch at module level: `gradlab --help` stays fast.
+Nothing here imports torch at module level: `gradlab --help` stays fast. A failure of the loop
+itself (pre-emption, a write, a non-finite step) becomes one line and its exit code in
+`failure_code`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from .core.variants import split_top
@@ -345,3 +349,42 @@ def run_eval(a: argparse.Namespace) -> int:
         df.to_csv(a.out, index=False)
         print(f"wrote {a.out}")
     return 0
+
+
+def failure_code(e: Exception, args: argparse.Namespace) -> int | None:
+    """The exit code of a loop failure `e` after printing its line; None for anything else.
+    A failure class is looked up only where its module is loaded (one that is not loaded
+    raised nothing), so the argument checks before it never import torch."""
+    from .loop.faults.atomic import EXIT_WRITE, WriteError
+    from .loop.runs.resume import CorruptFileError
+
+    preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (
+        "loop.faults.preempt", "loop.faults.guard", "userloss"))
+    say = lambda msg: print(f"gradlab {args.cmd}: {msg}", file=sys.stderr)  # noqa: E731
+    if preempt is not None and isinstance(e, preempt.Preempted):  # checkpointed
+        if e.main:  # rank 0 alone says how to resume
+            say(e.describe(resume_command(args, e.out)))
+        return e.exit_code
+    if isinstance(e, WriteError):
+        say(f"error: {e}")
+        return EXIT_WRITE
+    if guard is not None and isinstance(e, guard.NonFiniteError):
+        say(f"error: {e}")
+        return guard.EXIT_NONFINITE
+    if userloss is not None and isinstance(e, userloss.UserLossError):  # --objectives file.py:fn
+        say(f"error: {e} (exit code 3: a fault in the loss)")
+        return 3
+    if isinstance(e, (FileNotFoundError, FileExistsError, CorruptFileError)):
+        say(f"error: {e}")
+        return 2
+    return None
+
+
+def resume_command(a: argparse.Namespace, out: str) -> str:
+    """The command that continues a stopped run (untyped options come from config.json)."""
+    import os
+
+    cmd = f"gradlab {a.cmd}" + (f" {shlex.quote(a.objective)}" if a.cmd == "run" else "")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the same torchrun launch
+        cmd = f"torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '?')} -m {cmd}"
+    return f"{cmd} --out {shlex.quote(str(out))} --resume"
