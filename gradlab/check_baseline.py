@@ -154,6 +154,9 @@ def compare_w(new: list[dict], old: list[dict], rel: float) -> str | None:
     one message: "W scaled ×c against the baseline" or the statistics that changed."""
     if len(new) != len(old):
         return f"W: baseline has {len(old)} seed(s), this run {len(new)}"
+    lacking = sorted({k for o in old for k in (*SIGNED, *UNSIGNED, "nnz") if k not in o})
+    if lacking:
+        return f"W: the baseline's W record lacks {', '.join(lacking)} (--update rewrites it)"
     atol = [rel * o["sum_abs"] for o in old]
     changed = _changes(new, old, atol)
     if not changed:

@@ -260,6 +260,7 @@ def test_common_factor_needs_every_statistic():
     fewer = [{**rec[0], "nnz": 9}]  # a token fewer
     assert cb.compare_w(fewer, rec, 1e-12) == "W changed: tokens with W≠0 10 → 9"
     assert cb.compare_w([{**two[0], "nnz": 9}], rec, 1e-12).startswith("W changed")  # no rescale
+    assert cb.compare_w(rec, [{"sum": 0.1}], 1e-12).startswith("W: the baseline's W record lacks")
     nan = [{**rec[0], "sum": float("nan")}]
     assert cb.compare_w(nan, rec, 1e-12).startswith("W changed: ΣW 0.1 → nan")
 
