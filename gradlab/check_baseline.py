@@ -208,6 +208,8 @@ def _rho_changes(new: list[float], old: list[float], atol: float, name: str) -> 
 def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
     """ρ and W of result `r` against its baseline entry `b`: problems appended to r.problems
     (every changed number named), r.delta set; returns the signed Δρ (for the mean drift)."""
+    if any(not math.isfinite(w["sum_abs"]) for w in r.W):
+        return []  # a non-finite W: named by the invariants, nothing to compare
     atol = exact_tol(src, tol) if exact else tol[src]["max_abs"]
     new, old = r.rho_prefix + r.rho_trie, b["rho_prefix"] + b["rho_trie"]
     if len(new) != len(old):
