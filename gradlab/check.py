@@ -63,7 +63,7 @@ import torch
 
 from . import check_baseline as cb
 from .testing import REGIMES
-from .userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
+from .core.userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
 
 BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
 SEEDS = (0, 1, 2)

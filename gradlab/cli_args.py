@@ -359,7 +359,7 @@ def failure_code(e: Exception, args: argparse.Namespace) -> int | None:
     from .loop.runs.resume import CorruptFileError
 
     preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (
-        "loop.faults.preempt", "loop.faults.guard", "userloss"))
+        "loop.faults.preempt", "loop.faults.guard", "core.userloss"))
     say = lambda msg: print(f"gradlab {args.cmd}: {msg}", file=sys.stderr)  # noqa: E731
     if preempt is not None and isinstance(e, preempt.Preempted):  # checkpointed
         if e.main:  # rank 0 alone says how to resume

@@ -42,6 +42,11 @@ def test_every_objective_end_to_end(tmp_path):
             "drift_node_kl_mean", "probe_kl", "logodds"]
     for m in need:
         assert m in wide.columns or m == "tokens", m
+        if m == "rho_prefix":  # IBPO gives full-group tokens no credit: W ≡ 0 there, ρ undefined
+            none = wide["scale_prefix"] == 0
+            assert set(wide.loc[none, "objective"]) <= {"ibpo"}, m
+            assert wide.loc[none, m].isna().all() and wide.loc[~none, m].notna().all(), m
+            continue
         assert wide[m].notna().all(), m
     assert (wide["shared_frac_prefix"] > 0).all()  # the template prefix is shared
     assert (wide["w_dev"] < 1e-5).all()  # hook-measured W = closed form on every step

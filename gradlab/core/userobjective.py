@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..userloss import UserLossError, load_loss
+from .userloss import UserLossError, load_loss
 from . import variants
 from .batch import TokenBatch
 from .losses import Objective, _f

@@ -8,7 +8,7 @@ registry name and the bracketed pairs are its constructor parameters.
 Values are read with `ast.literal_eval` (numbers, tuples, strings, booleans, None), never
 `eval`; a bare word that is not a literal (``nodes=trie``) is taken as the string itself.
 
-A user's own loss is named ``path/file.py:fn`` or ``module:fn`` (`gradlab.userloss`), with one
+A user's own loss is named ``path/file.py:fn`` or ``module:fn`` (`gradlab.core.userloss`), with one
 optional parameter, its label: ``my_losses.py:dr_grpo[name=drgrpo]``. The label (`label`)
 names the objective in the store, the checkpoints and the figures; without ``name=`` it is
 the function's name. config.json keeps the whole spec, so a resumed run loads it again.

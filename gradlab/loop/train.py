@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..core import objectives, variants
 from ..core.batch import advantages
 from ..provenance import record as record_provenance
-from ..userloss import UserLossError
+from ..core.userloss import UserLossError
 from .config import ConfigError, RunConfig
 from .faults.preempt import Preempted, StopSignals
 from .numerics.precision import amp_context
