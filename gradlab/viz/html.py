@@ -66,12 +66,12 @@ def summary_html(tidy: pd.DataFrame) -> str:
     from .undefined import NOT_MEASURED, Footnotes
 
     notes = Footnotes()
-    head = ["objective", f"reward (last {LAST} steps)", "held-out accuracy", "ρ trie",
+    head = ["objective", f"reward (last {LAST} steps)", "held-out accuracy (%)", "ρ trie",
             "ρ full-group", "tax share"]
     rows = []
     for r in run_rows(tidy).to_dict("records"):
         whys = [NOT_MEASURED, NOT_MEASURED, *(r[f"why_{m}"] for m in RATIOS)]
-        vals = [r["reward"], r["heldout"], *(r[m] for m in RATIOS)]
+        vals = [r["reward"], 100 * r["heldout"], *(r[m] for m in RATIOS)]
         cells = [f"<td>{html.escape(str(r['objective']))}</td>"]
         for v, why in zip(vals, whys):
             text = notes.cell(v, why)

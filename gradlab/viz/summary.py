@@ -60,10 +60,10 @@ def run_table(run: str | Path, last: int = LAST) -> str:
 
     df = run_rows(load_run(run), last)
     notes = Footnotes()
-    lines = [f"| objective | reward (last {last} steps) | held-out accuracy | ρ trie | "
+    lines = [f"| objective | reward (last {last} steps) | held-out accuracy (%) | ρ trie | "
              "ρ full-group | tax share |", "|---|---|---|---|---|---|"]
-    for r in df.to_dict("records"):
-        cells = [notes.cell(r["reward"], NOT_MEASURED), notes.cell(r["heldout"], NOT_MEASURED),
+    for r in df.to_dict("records"):  # accuracy in percent, as gradlab eval prints it
+        cells = [notes.cell(r["reward"], NOT_MEASURED), notes.cell(100 * r["heldout"], NOT_MEASURED),
                  *(notes.cell(r[m], r[f"why_{m}"]) for m in RATIOS)]  # markers in column order
         lines.append(f"| {r['objective']} | " + " | ".join(cells) + " |")
     legend = notes.legend().replace("\n", "  \n")  # Markdown: one line each (hard breaks)
@@ -84,7 +84,7 @@ def write_run_summary(run: str | Path, cfg=None) -> str:
     table = run_table(run)
     what = (f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G} on {cfg.task}, "
             f"rollout {cfg.rollout}, mode {cfg.mode}\n\n" if cfg is not None else "")
-    note = ("Held-out accuracy: sampled accuracy on problems never trained on, at the last "
+    note = ("Held-out accuracy: sampled accuracy (%) on problems never trained on, at the last "
             "evaluation (--eval-every).")
     write_file(Path(run) / "summary.md", f"# gradlab run: {Path(run).name}\n\n{what}{table}\n\n{note}\n")
     return table
