@@ -62,8 +62,8 @@ from pathlib import Path
 import torch
 
 from . import check_baseline as cb
-from .testing import REGIMES
 from .core.userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
+from .testing import REGIMES
 
 BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
 SEEDS = (0, 1, 2)
@@ -214,7 +214,7 @@ class ModelSteps:
     adv: torch.Tensor
     rows_on: torch.Tensor
     rows_off: torch.Tensor
-    rollout: str  # hash of the sampled response ids and rewards
+    rollout: str  # hash of the sampled responses' texts and rewards (not of the mask/padding)
     training: dict  # the RunConfig defaults used (testing.training_defaults)
 
 
@@ -238,7 +238,8 @@ def model_steps() -> ModelSteps:
     first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
     off = copy.deepcopy(model)
     loop_step_on(off, ro, first, adv, objectives.get("grpo", norm="const").loss, tr)
-    h = hashlib.sha1(ro.response_ids.numpy().tobytes() + ro.rewards.numpy().tobytes())
+    # what was sampled, independent of how it is masked: a changed mask shows in W, compared
+    h = hashlib.sha1("\0".join(ro.texts).encode() + ro.rewards.numpy().tobytes())
     return ModelSteps(model, off, ro, adv, torch.arange(len(ro.texts)), second,
                       h.hexdigest()[:16], tr)
 
