@@ -294,6 +294,23 @@ def test_gspo_clip_bound_is_seen_in_close(monkeypatch, capsys):
     assert "FAIL synthetic/gspo/close: |Δρ|" in out and "W changed" in out
 
 
+def test_rollout_that_differs_fails_here_and_is_noted_elsewhere(tmp_path, capsys):
+    b = json.loads(check.BASELINE.read_text())
+    b["fingerprint"], b["rollout"] = cb.fingerprint(1), "0123456789abcdef"
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps(b))
+    assert check.main(["--baseline", str(p), "--only", "model/grpo/"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL model/grpo/off: rollout differs from the baseline's" in out
+    assert "on the same machine: the sampler, task or policy changed" in out
+    b["fingerprint"]["cpu_model"] = "another CPU"  # another machine may sample otherwise
+    p.write_text(json.dumps(b))
+    assert check.main(["--baseline", str(p), "--only", "model/grpo/"]) == 0
+    out = capsys.readouterr().out
+    assert "samples differ from baseline: not compared" in out
+    assert "checked against the invariants only" in out
+
+
 def test_old_rho_only_baseline_still_reads(tmp_path, capsys):
     old = json.loads(check.BASELINE.read_text())
     old["fingerprint"] = old.pop("rollout")  # the ρ-only format: a rollout hash string
