@@ -22,6 +22,7 @@ EXAMPLE = ROOT / "examples" / "real_trl.py"
 
 def solve(prompt: str) -> int:
     """The answer read off the prompt's words, independently of the generator."""
+    prompt = prompt.split("\n\n")[-1]  # the problem after the worked example
     a, b = (int(x) for x in re.search(r"has (\d+) \w+\. \w+ buys (\d+) more", prompt).groups())
     if m := re.search(r"gives (\d+) away", prompt):
         return a + b - int(m.group(1))

@@ -27,6 +27,15 @@ NAMES = ("Tom", "Ana", "Sam", "Mia", "Leo", "Zoe", "Ben", "Ivy")
 ITEMS = ("apples", "books", "coins", "pens", "cards", "stickers", "marbles", "shells")
 INSTRUCTION = "Think step by step, then end with 'The answer is <number>.'"
 _RANGES = {1: (1, 9), 2: (1, 9), 3: (2, 20)}
+# One worked example before each problem: it shows the marker (without it the base model ends
+# with the marker in about a third of its sampled responses; figures/real_trl_pilot.md)
+EXAMPLES = {
+    1: "Example: Sam has 2 pens. Sam buys 3 more. How many pens does Sam have now? Sam has "
+       "2 + 3 = 5 pens. The answer is 5.\n\n",
+    2: "Example: Sam has 2 pens. Sam buys 3 more, then gives 1 away. How many pens does Sam "
+       "have now? Sam has 2 + 3 = 5 pens, then 5 - 1 = 4 pens. The answer is 4.\n\n",
+}
+EXAMPLES[3] = EXAMPLES[2]
 
 
 def extract_marked(response: str, marker: str = MARKER) -> str | None:
@@ -80,7 +89,7 @@ class WordProblemTask:
             c = rng.randint(lo, a + b)
             text = f", then gives {c} away"
             result = a + b - c
-        prompt = (f"{who} has {a} {item}. {who} buys {b} more{text}. How many {item} does "
+        prompt = (f"{EXAMPLES[self.difficulty]}{who} has {a} {item}. {who} buys {b} more{text}. How many {item} does "
                   f"{who} have now? {INSTRUCTION}")
         return Problem(prompt=prompt, answer=str(result))
 
