@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--difficulty", type=int, default=1, help="word-problem difficulty 1..3")
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--temperature", type=float, default=0.7,
+                    help="sampling temperature (TRL's log-probs and so W are at it too)")
     ap.add_argument("--tax-every", type=int, default=1, help="learning tax every k steps (0: off)")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out accuracy every k steps")
     ap.add_argument("--eval-size", type=int, default=32, help="held-out problems (greedy)")
@@ -81,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.prompts * a.G % a.spg or (a.prompts * a.G // a.spg) % a.G:
         ap.error(f"--spg={a.spg}: each optimizer step needs whole groups: prompts × G = "
                  f"{a.prompts * a.G} must split into {a.spg} parts of a multiple of G = {a.G}")
+    if not 0 < a.temperature <= 10:
+        ap.error(f"--temperature={a.temperature}; valid: 0 < t ≤ 10")
     if a.difficulty not in (1, 2, 3):
         ap.error(f"--difficulty={a.difficulty}; valid: 1, 2, 3")
     a.objectives = objs
@@ -139,7 +143,7 @@ def grpo_config(a: argparse.Namespace, objective: str, out_dir: Path):
         output_dir=str(out_dir), use_cpu=True, bf16=False, report_to=[], disable_tqdm=True,
         seed=a.seed, num_generations=a.G, per_device_train_batch_size=a.prompts * a.G // a.spg,
         steps_per_generation=a.spg, gradient_accumulation_steps=1, max_steps=a.steps,
-        logging_steps=1, learning_rate=a.lr, beta=0.0, temperature=1.0,
+        logging_steps=1, learning_rate=a.lr, beta=0.0, temperature=a.temperature,
         max_completion_length=a.max_completion_length, save_strategy="steps",
         save_steps=a.save_every, save_only_model=False)
     if objective in ("gspo", "dfpo"):
