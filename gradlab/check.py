@@ -4,7 +4,7 @@ A fixed set of deterministic scenarios measures W = −∂loss/∂l (autograd on
 `ModulationProbe` hook on a real tiny-model step) and the cancellation ratio ρ at full-group
 ("prefix") and trie nodes (docs/concepts/shared-nodes.md):
 
-  synthetic/<variant>/<regime>  `random_batch` groups, seeds 0-2, regimes of `testing.REGIMES`:
+  synthetic/<variant>/<regime>  `random_batch` groups, seeds 0-2, regimes of `scenarios.REGIMES`:
                                 on (on-policy, unequal lengths), near (off_policy 0.3), far
                                 (off_policy 1.0: a PPO clip at eps 0.2 fires), on-eq (on-policy,
                                 equal lengths), and close (off_policy 3e-3: sequence ratios
@@ -63,12 +63,12 @@ import torch
 
 from . import check_baseline as cb
 from .core.userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
-from .testing import REGIMES
+from .scenarios import REGIMES
 
 BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
 SEEDS = (0, 1, 2)
 COLUMNS = ("on", "near", "far", "on-eq", "close", "model-on", "model-off")
-# the synthetic regimes: testing.REGIMES and one near GSPO's tight clip, so its bounds are seen
+# the synthetic regimes: scenarios.REGIMES and one near GSPO's tight clip, so its bounds are seen
 SYNTHETIC = {**REGIMES, "close": {"off_policy": 3e-3}}
 # variant → (objective name, parameters)
 VARIANTS = {
@@ -192,7 +192,7 @@ def _hook_dev(W, closed, batch) -> float | None:
 
 
 def run_synthetic(sc: Scenario) -> Result:
-    from .testing import measure_modulation, random_batch
+    from .scenarios import measure_modulation, random_batch
 
     pre, tri, devs, rec = [], [], [], []
     for s in SEEDS:
@@ -224,7 +224,7 @@ def model_steps() -> ModelSteps:
     from .loop.rollouts.rollout import generate
     from .loop.setup.policy import load_policy
     from .loop.setup.task import ArithmeticTask
-    from .testing import loop_step_on, training_defaults
+    from .scenarios import loop_step_on, training_defaults
 
     tr = training_defaults()
     model, tok = load_policy()
@@ -245,7 +245,7 @@ def model_steps() -> ModelSteps:
 
 
 def run_model(sc: Scenario, ms: ModelSteps) -> Result:
-    from .testing import measure_on_model
+    from .scenarios import measure_on_model
 
     model, rows = (ms.on, ms.rows_on) if sc.regime == "on" else (ms.off, ms.rows_off)
     W, batch = measure_on_model(model, ms.ro, rows, ms.adv, sc.loss(), ms.training["temperature"])
