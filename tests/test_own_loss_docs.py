@@ -38,9 +38,24 @@ def workdir(tmp_path, monkeypatch):
     torch.set_num_threads(1)
 
 
+def _record_baseline_as_documented(page: str) -> None:
+    """The CI recipe's one-time step: the page's own `gradlab check ... --update` line, run."""
+    import shlex
+    import subprocess
+
+    line = next(ln for ln in (ROOT / page).read_text().splitlines()
+                if ln.startswith("gradlab check --loss") and "--update" in ln)
+    (Path.cwd() / "tests").mkdir(exist_ok=True)
+    r = subprocess.run([sys.executable, "-m", "gradlab", *shlex.split(line)[1:]],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("page,k", [(p, k) for p in PAGES for k in range(len(blocks(p)))])
 def test_snippet_runs(workdir, page, k, capsys):
     ns: dict = {"__name__": f"snippet_{k}"}
+    if "assert_matches_baseline(" in blocks(page)[k]:
+        _record_baseline_as_documented(page)
     exec(compile(blocks(page)[k], f"{page}[{k}]", "exec"), ns)
     tests = [f for name, f in ns.items() if name.startswith("test_") and callable(f)]
     for f in tests:
