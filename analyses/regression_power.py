@@ -144,15 +144,27 @@ def findings_reproduce(out: str) -> list[str]:
               re.findall(r"^\| ([\w-]+) \| (\w+) \| .*\| FLAGGED", out, re.M)]
     if "identical" in out:
         found.append("identical")
+    fallback = re.search(r"Statistical check \(fallback: (.*?)\): (\d+) check seed\(s\) against "
+                         r"(\d+)", out)
+    if fallback:
+        found.insert(0, f"statistical fallback ({fallback[1]}), K = {fallback[2]} against "
+                        f"n = {fallback[3]}: " + ("no number flagged" if "no number flagged"
+                                                 in out else "flagged"))
     return found
 
 
 def findings_check(out: str) -> list[str]:
-    """The scenarios `gradlab check` did not pass, with its last line."""
-    bad = [line.split()[0] + " " + line.split()[-1] for line in out.splitlines()
+    """The scenarios `gradlab check` did not pass, grouped: how many, which variants, which
+    sources and regimes (scenario names are source/variant/regime)."""
+    bad = [line.split()[0] for line in out.splitlines()
            if re.match(r"^(synthetic|model)/", line) and line.split()[-1] != "ok"]
-    last = [line for line in out.splitlines() if line.startswith("gradlab check:")]
-    return bad + last[-1:]
+    if not bad:
+        last = [line for line in out.splitlines() if line.startswith("gradlab check:")]
+        return last[-1:]
+    parts = [b.split("/") for b in bad]
+    variants = ", ".join(dict.fromkeys(v for _, v, _ in parts))
+    where = ", ".join(dict.fromkeys(f"{s} {r}" for s, _, r in parts))
+    return [f"{len(bad)} scenarios failed: {variants} ({where})"]
 
 
 def verdict(rc: int, expect_change: bool) -> str:
@@ -163,7 +175,7 @@ def verdict(rc: int, expect_change: bool) -> str:
     return "pass" if rc == 0 else "false alarm"
 
 
-def study(tmp: Path, names: list[str], threads2: int) -> dict:
+def study(tmp: Path, names: list[str], threads2: int, keep: Path) -> dict:
     base = tmp / "base"
     snapshot(base)
     work = tmp / "work"
@@ -173,9 +185,9 @@ def study(tmp: Path, names: list[str], threads2: int) -> dict:
     if ref["rc"] != 0:
         raise SystemExit(f"the reference run failed:\n{ref['out'][-3000:]}")
     saved = json.loads((work / "ref.json").read_text())
-    ref["snapshot"] = {"commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                                                capture_output=True, text=True).stdout.strip(),
-                       "code_hash": saved["code_hash"], **saved["fingerprint"]}
+    ref["snapshot"] = {**saved["fingerprint"], "code_hash": saved["code_hash"],
+                       "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                                                capture_output=True, text=True).stdout.strip()}
     results = {"reference": ref}
     for name in ["unmodified", *names]:
         pkg = base if name == "unmodified" else tmp / name
@@ -187,6 +199,7 @@ def study(tmp: Path, names: list[str], threads2: int) -> dict:
         results[name] = {"reproduce_check": a, "gradlab_check": b}
         print(f"{name}: reproduce --check exit {a['rc']} ({a['seconds']} s), gradlab check "
               f"exit {b['rc']} ({b['seconds']} s)", flush=True)
+        keep.write_text(json.dumps(results, indent=1))  # a later failure keeps what ran
     if threads2:
         a = run(base, work, ["reproduce", "--check", "ref.json", "--seeds", str(threads2),
                              "--threads", "2", "--out", "runs/unmodified-t2"])
@@ -279,8 +292,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="only hold these finished main-job runs to the shipped reference")
     p.add_argument("--label", nargs="*", default=[], metavar="WHAT=RUN",
                    help="--shipped runs made by changed code (default: unmodified)")
+    p.add_argument("--from-json", metavar="FILE", help="re-write the .md from a .json written "
+                   "earlier (no runs)")
     a = p.parse_args(argv)
     prov, t0 = provenance("regression_power.py", argv), time.time()
+    if a.from_json:
+        old = json.loads(Path(a.from_json).read_text())
+        md = markdown(old["results"], old["provenance"], old["seconds"])
+        (Path(a.out) / "regression_power.md").write_text(md + "\n")
+        print(md)
+        return 0
     if a.shipped:
         labels = {run: what for what, run in (x.split("=", 1) for x in a.label)}
         md, record = shipped(a.shipped + [r for r in labels if r not in a.shipped], labels)
@@ -291,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         return 0
     with tempfile.TemporaryDirectory(prefix="regression_power") as tmp:
-        results = study(Path(tmp), a.only or list(CHANGES), a.threads2_seeds)
+        results = study(Path(tmp), a.only or list(CHANGES), a.threads2_seeds,
+                        Path(a.out) / "regression_power.partial.json")
     seconds = time.time() - t0
     md = markdown(results, prov, seconds)
     out = Path(a.out)
@@ -301,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
          "changes": {k: {"what": v[0], "file": f"gradlab/{v[1]}", "text": v[2],
                          "replacement": v[3]} for k, v in CHANGES.items()},
          "results": results}, indent=1))
+    (out / "regression_power.partial.json").unlink(missing_ok=True)
     print(md)
     return 0
 
