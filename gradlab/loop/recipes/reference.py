@@ -12,8 +12,8 @@ gets a two-sample t test of the two means at level `LEVEL` (per number, two-side
 with s the reference's seed sd (df n − 1) when K = 1, the pooled sd of both samples
 (df n + K − 2) when K ≥ 2. Each number also gets the smallest shift the test detects with
 probability `POWER` at that n and K (non-central t), in the number's own units. Round-off
-quantities (exact cancellation: ρ and the tax share of GRPO and DFPO, ~1e-8) are held to a bound
-|x| ≤ 1e-6 instead. The same machine, torch build and thread count compare exactly instead
+quantities (exact cancellation: ρ and the tax share of GRPO and DFPO, ~1e-8 in the reference) are
+held to a bound |x| ≤ 1e-3 instead (a rare clipped step leaves ~1e-4 in a run's mean). The same machine, torch build and thread count compare exactly instead
 (`gradlab.loop.recipes.baseline`).
 
 The shipped reference (gradlab/data/reproduce_reference.json) holds 5 seeds measured on another
@@ -38,6 +38,10 @@ LEVEL = 0.99  # per number, two-sided: the test flags a number when |t| > t_{1 �
 POWER = 0.8  # the power at which the detectable shift is stated
 BAND_LEVEL = 0.999  # the prediction bands `make_reference` stores (lo, hi): informative only
 ROUNDOFF = 1e-6  # a number whose reference values all lie within ±ROUNDOFF is round-off
+# ... and is then held to |x| ≤ CANCELS: exact cancellation but for the rare step where a PPO
+# clip fires (GRPO, main job, seed 8: ρ 0.027 at step 0, 1.8e-4 as a mean over the steps); a
+# loss that no longer cancels sits at 0.05–0.2
+CANCELS = 1e-3
 # number → (absolute floor of its band, the number's range): round-off-level quantities (exact
 # cancellation) get a band of at least ±1e-6; bands are clipped to the range a number can take
 UNIT = (0.0, 1.0)
@@ -143,9 +147,9 @@ def stat_check(values: dict[str, list[float]], ref: dict, level: float = LEVEL) 
         if k == 0 or not np.isfinite(got).all():
             row.update(flagged=True, reason="missing or not finite in the check run")
         elif floor > 0 and np.all(np.abs(ref_vals) <= floor):  # exact cancellation: round-off
-            row.update(test="bound", crit=floor, detect=floor,
-                       flagged=bool(np.max(np.abs(got)) > floor),
-                       reason=f"round-off: |x| ≤ {floor:g}")
+            row.update(test="bound", crit=CANCELS, detect=CANCELS,
+                       flagged=bool(np.max(np.abs(got)) > CANCELS),
+                       reason=f"cancels: |x| ≤ {CANCELS:g}")
         else:
             row.update(_t_test(ref_vals, got, level))
         rows.append(row)
@@ -189,8 +193,8 @@ def stat_report(rows: pd.DataFrame, ref: dict, why: str = "") -> str:
             f"code {m.get('code_hash') or ref.get('code_hash')}. Per number: two-sample t of the "
             f"means ({'reference sd' if k == 1 else 'pooled sd'}, df {df}) at "
             f"{100 * LEVEL:g} % (two-sided); 'detects' is the shift found with "
-            f"{100 * POWER:g} % power at this K (more seeds: --seeds K). Round-off numbers: "
-            f"|x| ≤ {ROUNDOFF:g}.")
+            f"{100 * POWER:g} % power at this K (more seeds: --seeds K). Numbers at round-off "
+            f"in the reference (exact cancellation): |x| ≤ {CANCELS:g}.")
     table = ["| objective | metric | reference mean ± sd (n) | check mean (K) | t | verdict | "
              "detects |", "|---|---|---|---|---|---|---|"]
     for r in rows.itertuples():
