@@ -171,7 +171,8 @@ def _checked_config(a: argparse.Namespace) -> RunConfig:
     from .cli_args import check_context, check_device, check_model, check_task_file
 
     check_task_file(a.task)  # a bad line is the first thing to fix, before the other options
-    check_context(a.max_new_tokens, a.model)  # before the objectives are built (torch)
+    if not a.resume:  # a resumed run's model and length are the stored ones: checked below
+        check_context(a.max_new_tokens, a.model)  # before the objectives are built (torch)
     stored = Path(a.out) / "config.json"
     if a.resume and stored.is_file():  # a hand-edited file: named before anything is built
         check_types(read_config(stored), str(stored))

@@ -149,6 +149,7 @@ def _folders(tmp) -> dict:
 BAD = {  # sub-command → [(arguments, text the one-line message must contain)]
     "run": [(["ppo"], "ppo"), (["grpo", "--step", "3"], "--step"), (["grpo", "--G", "1"], "--G"),
             (["grpo", "--steps", "x"], "--steps"), (["grpo", "--device", "cuda:7"], "--device"),
+            (["grpo", "--device", "tpu"], "--device"), (["grpo", "--device", "cuda:x"], "--device"),
             (["grpo", "--task", "scafold"], "--task"), (["grpo", "--model", "UNKNOWN"], "model_type"),
             (["grpo", "--model", "BARE"], "--model"), (["grpo", "--objectives", "gspo"], "--objectives")],
     "tandem": [(["--objectives", "grpo,ppo"], "ppo"), (["--objectives", "gspo[eps="], "--objectives"),

@@ -208,6 +208,8 @@ def _validate_files(c: RunConfig) -> None:
 def _validate_values(c: RunConfig) -> None:
     """Every option that needs no torch: numbers, names and their combinations."""
     check_objective_names(c.objectives)
+    if not (c.device in ("cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
+        raise ConfigError(f"--device: {c.device!r}; valid: cpu, cuda, cuda:N")
     checks = [
         ("G", c.G >= 2, "≥ 2 (a group needs two responses to compare)"),
         ("prompts", c.prompts >= 1, "≥ 1"),
