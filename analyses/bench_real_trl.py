@@ -42,9 +42,8 @@ RUNNERS = ("trl", "trl+cheap", "trl+all", "loop", "loop+all")
 
 def run_trl(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
     """(seconds, completion tokens) of each optimizer step of one TRL runner."""
-    from transformers import TrainerCallback
-
     import real_trl
+    from transformers import TrainerCallback
 
     ex = real_trl.parse_args(["--G", str(a.G), "--prompts", str(a.prompts), "--spg", str(a.spg),
                               "--steps", str(a.steps), "--max-completion-length", str(a.tokens),

@@ -13,9 +13,9 @@ It writes one tidy CSV, <out>/real_trl.csv (objective, step, metric, value), per
 reward, entropy, completion_length, W-mass shares at full-group and trie nodes (share_prefix,
 share_trie), ρ at both (rho_prefix, rho_trie), the log-prob drift at full-group node tokens
 (drift_node_dlogp, off-policy steps), the learning tax (tax_share, tax_cos, every
---tax-every steps), timings (time_step, time_sampling, time_probes, time_tax: seconds) and
-peak_rss_gib; heldout_acc (greedy, --eval-size held-out problems) every --eval-every steps and
-at step 0. An undefined value stays NaN (e.g. ρ with no token shared by a whole group).
+--tax-every steps; NaN on a step with no full-group token, n_nodes = 0), timings (time_step,
+time_sampling, time_probes, time_tax: seconds) and peak_rss_gib; heldout_acc (greedy,
+--eval-size held-out problems) every --eval-every steps and at step 0. An undefined value stays NaN (e.g. ρ with no token shared by a whole group).
 
 Resumable: TRL checkpoints every --save-every steps under <out>/<objective>/; run the same
 command again (with a larger --steps) and each objective continues from its last checkpoint.
@@ -204,13 +204,15 @@ def step_rows(objective: str, step: int, tr, logs: dict, t_step: float) -> list[
         total = float(w.W.abs()[w.batch.mask].sum())
         for kind in ("prefix", "trie"):  # share of Σ|W| at the nodes; no gradient: undefined
             m[f"share_{kind}"] = m.get(f"mass_{kind}", nan) / total if total > 0 else nan
-    tax = next((r for r in getattr(getattr(tr, "_gl_tax", None), "steps", [])
-                if r["global_step"] == step - 1), {})
+    tax = dict(next((r for r in getattr(getattr(tr, "_gl_tax", None), "steps", [])
+                     if r["global_step"] == step - 1), {}))
+    if tax.get("n_nodes") == 0:  # no full-group token: no tax to measure (the probe's 0)
+        tax.update(tax_share=nan, tax_cos=nan)
     vals = {"reward": logs.get("reward", nan), "entropy": logs.get("entropy", nan),
             "completion_length": logs.get("completions/mean_length", nan),
             **{k: m.get(k, nan) for k in ("share_prefix", "share_trie", "rho_prefix", "rho_trie",
                                           "nodes_prefix", "nodes_trie", "drift_node_dlogp")},
-            **{k: tax.get(k, nan) for k in ("tax_share", "tax_cos", "time_tax")},
+            **{k: tax.get(k, nan) for k in ("tax_share", "tax_cos", "n_nodes", "time_tax")},
             "time_step": t_step, "time_sampling": tr.times["sampling"],
             "time_probes": tr.times["probes"],
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

@@ -95,12 +95,12 @@ def test_recipe_smallest_size_resumes(tmp_path, monkeypatch):
     by = {(s, m): float(r["value"]) for (_, s, m), r in zip(keys, rows)}
     for step in (1, 2):
         for m in ("reward", "entropy", "completion_length", "rho_prefix", "share_trie",
-                  "tax_share", "time_step", "time_sampling", "peak_rss_gib"):
+                  "tax_share", "n_nodes", "time_step", "time_sampling", "peak_rss_gib"):
             assert (step, m) in by, (step, m)
         assert 0 < by[(step, "completion_length")] <= 8
         assert by[(step, "time_sampling")] < by[(step, "time_step")]
         assert 0.0 <= by[(step, "reward")] <= 1.0
         # a tied group (1 prompt, rewards equal) has no gradient: its ratios stay NaN, never 0
-        if by[(step, "reward")] in (0.0, 1.0):
+        if by[(step, "reward")] in (0.0, 1.0) or by[(step, "n_nodes")] == 0:
             assert math.isnan(by[(step, "rho_prefix")]) and math.isnan(by[(step, "tax_share")])
     assert {s for s, m in by if m == "heldout_acc"} == {0, 1, 2}

@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from tolerance import assert_close_f32
+
 from gradlab import objectives
 from gradlab.core.batch import TokenBatch
 from gradlab.core.cancellation import cancellation
@@ -25,7 +27,6 @@ from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, quiet
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.setup.policy import load_policy
 from gradlab.probes.tax import layer_groups, learning_tax, tax_report
-from tolerance import assert_close_f32
 
 G = 8
 
