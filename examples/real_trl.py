@@ -145,7 +145,8 @@ def grpo_config(a: argparse.Namespace, objective: str, out_dir: Path):
         steps_per_generation=a.spg, gradient_accumulation_steps=1, max_steps=a.steps,
         logging_steps=1, learning_rate=a.lr, beta=0.0, temperature=a.temperature,
         max_completion_length=a.max_completion_length, save_strategy="steps",
-        save_steps=a.save_every, save_only_model=False)
+        save_steps=a.save_every, save_only_model=False,
+        save_total_limit=2)  # a checkpoint (weights + AdamW moments) is 1.6 GB
     if objective in ("gspo", "dfpo"):
         kw.update(importance_sampling_level="sequence", loss_type="grpo",
                   epsilon=GSPO_EPS[0], epsilon_high=GSPO_EPS[1])
