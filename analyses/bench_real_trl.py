@@ -65,8 +65,8 @@ def run_trl(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
             times.append(time.perf_counter() - self.t0)
 
         def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                tokens.append(logs["completions/mean_length"] * a.prompts * a.G / a.spg)
+            if logs and "completions/mean_length" in logs:  # logged once per generation batch
+                tokens.extend([logs["completions/mean_length"] * a.prompts * a.G / a.spg] * a.spg)
 
     tr.add_callback(Clock())
     tr.train()
