@@ -4,4 +4,6 @@
   `GRPOTrainer` subclass) measures W and the cancellation residual of TRL's own loss on a real
   run, and applies DFPO as a drop-in gradient transform. Needs `pip install gradlab[trl]`.
 - `gradlab.integrations.trl_audit`: `gradlab audit trl`, the table of TRL's loss settings.
+- `gradlab.integrations.trl_tax`: the learning tax ‖g_tax‖/‖g‖ as a sampled probe of the TRL
+  trainer (`GradlabConfig(tax_every=k)`).
 """
