@@ -76,17 +76,9 @@ def fingerprint(threads: int) -> dict:
 def code_hash(skip: Path) -> str:
     """`provenance.code_hash` without the file `skip` (the baseline itself, which is package
     data: writing it must not change the hash it records)."""
-    import hashlib
+    from .provenance import code_hash as package_hash
 
-    from .provenance import PACKAGE
-
-    h = hashlib.sha256()
-    for p in sorted(PACKAGE.rglob("*")):
-        if (p.is_file() and p != skip.resolve() and "__pycache__" not in p.parts
-                and p.suffix not in (".pyc", ".pyo")):
-            h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
-            h.update(p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return package_hash(skip)
 
 
 def environment() -> dict:

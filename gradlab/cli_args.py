@@ -290,6 +290,9 @@ def load_check_reference(a: argparse.Namespace) -> dict | None:
     if a.save_reference and a.resume:
         raise ConfigError("--save-reference with --resume: a reference is made from finished "
                           "runs of the current code; drop --resume")
+    if a.save_reference and not Path(a.save_reference).resolve().parent.is_dir():
+        raise ConfigError(f"--save-reference: folder {Path(a.save_reference).parent} does not "
+                          "exist (the file is written after every seed has trained)")
     if not a.check:
         return None
     if not Path(a.check).is_file():  # before scipy loads

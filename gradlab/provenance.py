@@ -29,12 +29,15 @@ PACKAGE = Path(__file__).resolve().parent
 FILE = "provenance.json"
 
 
-@lru_cache(maxsize=1)
-def code_hash() -> str:
-    """First 16 hex digits of SHA-256 over (relative path, bytes) of every package file."""
+@lru_cache(maxsize=4)
+def code_hash(skip: Path | None = None) -> str:
+    """First 16 hex digits of SHA-256 over (relative path, bytes) of every package file (but
+    `skip`: package data that records the hash, such as the check baseline)."""
+    skip = skip.resolve() if skip is not None else None
     h = hashlib.sha256()
     for p in sorted(PACKAGE.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
+        if (p.is_file() and p != skip and "__pycache__" not in p.parts
+                and p.suffix not in (".pyc", ".pyo")):
             h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
             h.update(p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -70,11 +73,13 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    """CPU model, cores, OS, Python, torch (and its intra-op threads) and transformers."""
+    """CPU model and kernels, cores, OS, Python, torch (and its intra-op threads), transformers."""
     import torch
     import transformers
 
     return {"cpu_model": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            # the kernels torch picked (AVX512, AVX2, DEFAULT…): a CPU model name can be generic
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "transformers": transformers.__version__,
             "cuda": torch.version.cuda if torch.cuda.is_available() else None}

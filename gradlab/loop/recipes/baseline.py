@@ -25,7 +25,7 @@ from ... import provenance
 from ..runs.store import load_run
 
 RTOL = 1e-12
-FINGERPRINT = ("cpu_model", "torch", "threads")
+FINGERPRINT = ("cpu_model", "cpu_capability", "torch", "threads")
 
 
 def untimed(names) -> list[str]:
@@ -34,7 +34,7 @@ def untimed(names) -> list[str]:
 
 
 def fingerprint(run: str | Path) -> dict:
-    """CPU model, torch build and threads of a run folder (its provenance.json, last segment)
+    """CPU model and kernels, torch build and threads of a run folder (its provenance.json, last segment)
     and the code hash of every segment (comma-joined)."""
     segs = (provenance.read(run) or {}).get("segments", [])
     last = segs[-1] if segs else {}
@@ -44,7 +44,7 @@ def fingerprint(run: str | Path) -> dict:
 
 
 def same_machine(a: dict, b: dict) -> bool:
-    """True iff two fingerprints agree on CPU model, torch build and thread count."""
+    """True iff two fingerprints agree on CPU model and kernels, torch build and thread count."""
     return all(a.get(k) == b.get(k) for k in FINGERPRINT)
 
 
