@@ -263,19 +263,25 @@ def cmd_table(a: argparse.Namespace) -> int:
     require("off-policy", a.off_policy, 0 < a.off_policy <= 10, "in (0, 10]")
     from .core import objectives
     from .core.cancellation import cancellation
-    from .testing import random_batch
+    from .probes.residuals import defined_ratio
+    from .scenarios import random_batch
+    from .viz.undefined import NO_GRAD_SHARED, NO_NODE, Footnotes
 
-    rows = []
+    notes = Footnotes()  # an undefined ρ (no node, or W ≡ 0 at the nodes: IBPO's prefix) is —
+    print("| objective | policy | ρ full-group | ρ trie |\n|---|---|---|---|")
     for off in (0.0, a.off_policy):
         b = random_batch(n_groups=8, G=a.G, T=16, seed=a.seed, off_policy=off)
         for name in objectives.names() + IBPO_ROWS:
             obj = objectives.get(name)
             W, pb = obj.modulation(b), obj.prepare(b)  # IBPO: its token advantages
-            rows.append((name, "on" if off == 0 else f"off ({off})",
-                         cancellation(W, pb, "prefix").ratio, cancellation(W, pb, "trie").ratio))
-    print("| objective | policy | ρ full-group | ρ trie |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.3g} | {r[3]:.3g} |")
+            cells = []
+            for kind in ("prefix", "trie"):
+                c = cancellation(W, pb, kind)
+                why = NO_NODE[kind] if c.n_nodes == 0 else NO_GRAD_SHARED
+                cells.append(notes.cell(defined_ratio(c), why))
+            print(f"| {name} | {'on' if off == 0 else f'off ({off})'} | {' | '.join(cells)} |")
+    legend = notes.legend()
+    print(f"\n{legend}" if legend else "", end="\n" if legend else "")
     return 0
 
 

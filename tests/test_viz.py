@@ -194,3 +194,16 @@ def test_node_residual_of_a_tied_group_is_undefined():
     assert other["rel"].notna().all()
     label = viz.residual_distribution(tr).axes[0].get_xlabel()
     assert f"{len(tied)} nodes undefined (W ≡ 0, not drawn)" in label
+
+
+def test_table_prints_an_undefined_rho_as_a_dash_with_its_reason(capsys):
+    """`gradlab table`: IBPO gives full-group tokens no credit (W ≡ 0 there), so its full-group ρ
+    is undefined — "—" with the reason, never 0; GRPO's is a number."""
+    from gradlab.cli import main
+
+    assert main(["table", "--G", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(c.strip() for c in ln.split("|")[1:3]): ln.split("|")[3].strip()
+            for ln in out.splitlines() if ln.startswith("| ") and "objective" not in ln}
+    assert rows[("ibpo", "on")].startswith("—") and float(rows[("grpo", "on")]) < 1e-12
+    assert "undefined (no gradient at shared tokens)" in out
