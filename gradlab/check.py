@@ -146,6 +146,9 @@ class Result:
     delta: float | None = None  # max |Δρ| against the baseline
     w_base: str = "—"  # W against the baseline: same, ×c or changed
     note: str = ""
+    # per metric, per seed: ρ undefined there (W ≡ 0 at the nodes); ρ is stored as 0 for the
+    # invariants and the baseline (no net gradient), printed as —
+    undefined: dict = field(default_factory=dict)
 
 
 def builtin_scenarios() -> list[Scenario]:
@@ -176,12 +179,14 @@ def loss_scenarios(fn: Callable, label: str, expect: str = "cancels") -> list[Sc
 # ----------------------------------------------------------------------------- measuring
 
 
-def _rhos(W, batch) -> tuple[float, float]:
+def _rhos(W, batch) -> tuple[float, float, bool, bool]:
+    """ρ prefix, ρ trie, and whether each is undefined (no node, or W ≡ 0 at the nodes)."""
     from .core.cancellation import cancellation
 
     if not bool(torch.isfinite(W[batch.mask]).all()):  # undefined; check_invariants names it
-        return float("nan"), float("nan")
-    return cancellation(W, batch, "prefix").ratio, cancellation(W, batch, "trie").ratio
+        return float("nan"), float("nan"), False, False
+    c = [cancellation(W, batch, kind) for kind in ("prefix", "trie")]
+    return c[0].ratio, c[1].ratio, c[0].mass == 0, c[1].mass == 0
 
 
 def _hook_dev(W, closed, batch) -> float | None:
@@ -194,14 +199,15 @@ def _hook_dev(W, closed, batch) -> float | None:
 def run_synthetic(sc: Scenario) -> Result:
     from .scenarios import measure_modulation, random_batch
 
-    pre, tri, devs, rec = [], [], [], []
+    pre, tri, devs, rec, up, ut = [], [], [], [], [], []
     for s in SEEDS:
         b = random_batch(n_groups=4, G=4, T=12, seed=s, **SYNTHETIC[sc.regime])
         W = measure_modulation(sc.loss(), b)
-        p, t = _rhos(W, b)
+        p, t, p_undef, t_undef = _rhos(W, b)
         pre.append(p), tri.append(t), devs.append(_hook_dev(W, sc.closed, b))
-        rec.append(cb.w_record(W))
-    return Result(sc.key, pre, tri, None if sc.closed is None else max(devs), rec)
+        rec.append(cb.w_record(W)), up.append(p_undef), ut.append(t_undef)
+    return Result(sc.key, pre, tri, None if sc.closed is None else max(devs), rec,
+                  undefined={"rho_prefix": up, "rho_trie": ut})
 
 
 @dataclass
@@ -249,8 +255,9 @@ def run_model(sc: Scenario, ms: ModelSteps) -> Result:
 
     model, rows = (ms.on, ms.rows_on) if sc.regime == "on" else (ms.off, ms.rows_off)
     W, batch = measure_on_model(model, ms.ro, rows, ms.adv, sc.loss(), ms.training["temperature"])
-    p, t = _rhos(W, batch)
-    return Result(sc.key, [p], [t], _hook_dev(W, sc.closed, batch), [cb.w_record(W)])
+    p, t, p_undef, t_undef = _rhos(W, batch)
+    return Result(sc.key, [p], [t], _hook_dev(W, sc.closed, batch), [cb.w_record(W)],
+                  undefined={"rho_prefix": [p_undef], "rho_trie": [t_undef]})
 
 
 @contextlib.contextmanager
@@ -302,9 +309,16 @@ def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict
             r.problems.append(f"hook W ≠ closed form (rel. {r.hook_dev:.2g})")
 
 
-def _worst(rhos: list[float]) -> str:
-    """The largest ρ, "—" where undefined (a non-finite W: the FAIL line says so)."""
-    return "—" if any(x != x for x in rhos) else f"{max(rhos):.3g}"
+UNDEFINED = "—⁰"  # ρ undefined at every seed: W ≡ 0 at the nodes (legend under the table)
+
+
+def _worst(rhos: list[float], undefined: list[bool] = ()) -> str:
+    """The largest ρ over the seeds where it is defined; "—" for a non-finite W (the FAIL line
+    says so), UNDEFINED where no seed defines it."""
+    if any(x != x for x in rhos):
+        return "—"
+    defined = [x for x, u in zip(rhos, undefined or [False] * len(rhos)) if not u]
+    return f"{max(defined):.3g}" if defined else UNDEFINED
 
 
 def render(results: list[Result], scenarios: list[Scenario]) -> str:
@@ -319,9 +333,12 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
         dev = "—" if r.hook_dev is None else f"{r.hook_dev:.1e}"
         dlt = "—" if r.delta is None else f"{r.delta:.1e}"
         status = "FAIL" if r.problems else "ok" + (f" ({r.note})" if r.note else "")
-        rp, rt = (_worst(getattr(r, m)) for m in ("rho_prefix", "rho_trie"))
+        rp, rt = (_worst(getattr(r, m), r.undefined.get(m, ())) for m in ("rho_prefix", "rho_trie"))
         lines.append(f"{r.key:<30} {rp:>9} {rt:>9} {exp:>6} "
                      f"{dev:>11} {dlt:>9} {r.w_base:>8}  {status}")
+    if any(UNDEFINED in ln for ln in lines[2:]):
+        lines.append(f"{UNDEFINED} undefined: no node, or no gradient at the shared tokens (W ≡ 0 "
+                     "there, so nothing to cancel) at every seed; ρ is then held as 0")
     lines += [f"FAIL {r.key}: " + "; ".join(r.problems) for r in results if r.problems]
     return "\n".join(lines)
 

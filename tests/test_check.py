@@ -361,3 +361,15 @@ def test_regime_report_rows():
     assert rows[0]["ratio"] > 1e-3 and rows[2]["ratio"] < 1e-12
     with pytest.raises(ValueError, match="unknown regime"):
         regime_report(seqnorm_loss, regimes=("sideways",))
+
+
+def test_an_undefined_rho_prints_as_a_dash_not_0(capsys):
+    """DFPO Min-Replace off-policy: GSPO's clip zeroes a group's min weight, so W ≡ 0 at every
+    full-group token — ρ there is undefined and printed —⁰ (with its legend), never 0."""
+    from gradlab.check import UNDEFINED
+    from gradlab.cli import main
+
+    assert main(["check", "--only", "dfpo-min/near", "--no-model"]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("synthetic/dfpo-min/near"))
+    assert row.split()[1] == UNDEFINED and f"{UNDEFINED} undefined" in out
