@@ -145,6 +145,8 @@ def test_reproduce_cli_writes_figures_and_summary(tmp_path, capsys):
     summary = (out / "summary.md").read_text()
     for name in ("grpo", "gspo", "dfpo-min", "dfpo-orth"):
         assert f"| {name} " in summary
+    # one unit for accuracy everywhere it is printed (percent), the run-mean reward named as such
+    assert "acc_last5 (%)" in summary and "reward (run mean)" in summary
     assert "| held-out accuracy (%) |" in capsys.readouterr().out  # the short table; summary.md has all
     # a second fresh run into the same folder is refused with a one-line error
     assert main(["reproduce", "--out", str(out), "--steps", "2", "--no-progress"]) == 2

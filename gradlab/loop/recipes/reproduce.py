@@ -82,13 +82,24 @@ def _write(cfg: RunConfig, tidy: pd.DataFrame, path: Path, t_train: float, actio
           f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G}, "
           f"{cfg.minibatches} optimizer steps per rollout, seed {cfg.seed}, task {cfg.task}"
           f" (difficulty {cfg.difficulty}); {took}.", "",
-          markdown_table(table), "",
-          "—: undefined (no finite value at any step, e.g. a ratio whose denominator was 0) or "
-          "not measured.", "",
+          markdown_table(shown(table)), "",
+          "Accuracies in percent: acc_first (the first step), acc_last5 (the last 5 steps; the "
+          "end-of-run table's reward on this task), eval_* (held-out, the last evaluation); "
+          "other columns are means over the run's steps. —: undefined (no finite value at any "
+          "step, e.g. a ratio whose denominator was 0) or not measured.", "",
           "Figures: figures/training_curves.png. Metrics: metrics.jsonl (gradlab.load_run)."]
     text = "\n".join(md)
     write_file(path / "summary.md", text + "\n")
     return text
+
+
+def shown(table: pd.DataFrame) -> pd.DataFrame:
+    """`summarize`'s frame as summary.md prints it: accuracies in percent (as the end-of-run
+    table and `gradlab eval`), the run-mean reward named as such."""
+    acc = [c for c in table.columns if c.startswith(("acc_", "eval_accuracy"))]
+    out = table.copy()
+    out[acc] = 100 * out[acc]
+    return out.rename(columns={**{c: f"{c} (%)" for c in acc}, "reward": "reward (run mean)"})
 
 
 def markdown_table(df: pd.DataFrame) -> str:
