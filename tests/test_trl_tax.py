@@ -7,7 +7,6 @@ closed-form GSPO loss and W, and `learning_tax` over the full graph.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -27,21 +26,10 @@ from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, quiet
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.setup.policy import load_policy
 from gradlab.probes.tax import layer_groups, learning_tax, tax_report
+from test_trl import Capturing  # keeps (model state, inputs) of every training loss call
 
 G = 8
 
-
-class Capturing(GradlabGRPOTrainer):
-    """Keeps (model state, inputs) of every training loss call, taken before its backward."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.captured = []
-        super().__init__(*args, **kwargs)
-
-    def _compute_loss(self, model, inputs):
-        if model.training:
-            self.captured.append((copy.deepcopy(model.state_dict()), dict(inputs)))
-        return super()._compute_loss(model, inputs)
 
 
 def run(tmp_path, loss_type="grpo", level="sequence", spg=1, steps=1, tax_every=1,
