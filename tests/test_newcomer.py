@@ -192,7 +192,8 @@ def test_argument_errors_do_not_import_torch_or_transformers(tmp_path):
              ["eval", str(out), "--objective", "nope"], ["eval", str(no_w)],
              ["variance", "--objectives", "grpo,ppo"], ["doctor", "--device", "tpu"],
              ["table", "--G", "1"], ["view", str(tmp_path / "nothing")],
-             ["check", "--baseline", str(tmp_path / "no.json")]]
+             ["check", "--baseline", str(tmp_path / "no.json")], ["audit", "verl", "--bogus"],
+             ["audit", "trl", "--workload", "x"]]
     code = ("import json, sys\nfrom gradlab.cli import main\nrcs = []\n"
             f"for argv in {cases!r}:\n"
             "    try:\n        rcs.append(main(argv))\n    except SystemExit as e:\n"

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import logging
 import math
+import shlex
 import tempfile
 import time
 import warnings
@@ -290,8 +291,10 @@ def to_markdown(df: pd.DataFrame, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gradlab audit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli_args import Parser  # one-line errors, as every gradlab command
+
+    p = Parser(prog="gradlab audit", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trainer", choices=["trl"], help="the trainer to audit")
     p.add_argument("--quick", action="store_true", help="three settings, fewer steps (CI)")
     p.add_argument("--out", default="figures", help="folder for trl_audit.csv / .md")
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cmd = "gradlab audit trl" + (" --quick" if a.quick else "") + (
         f" --workload {a.workload}" if a.workload != "both" else "") + (
-        f" --seed {a.seed}" if a.seed else "") + f" --out {a.out}"
+        f" --seed {a.seed}" if a.seed else "") + f" --out {shlex.quote(a.out)}"
     df.to_csv(out / "trl_audit.csv", index=False)
     md = to_markdown(df, cmd)
     (out / "trl_audit.md").write_text(md)

@@ -23,14 +23,17 @@ the accumulated gradient is), mean over batches. Workloads: gradlab's synthetic 
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
-import torch
+if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option is answered at once
+    import pandas as pd
+    import torch
 
-from ..core.batch import TokenBatch
+    from ..core.batch import TokenBatch
 
 SITUATIONS = (("on", "whole", "engine"), ("off", "whole", "engine"), ("on", "split", "engine"),
               ("on", "split", "local"), ("off", "split", "local"))
@@ -51,6 +54,8 @@ def actor_config(loss_mode: str, rollout_n: int = G):
 def micro_rows(group: torch.Tensor, split: bool, seed: int) -> list[torch.Tensor]:
     """Row indices of each micro-batch: whole = two whole groups per micro-batch; split = a
     seeded shuffle cut every MICRO rows (groups of G straddle micro-batches)."""
+    import torch
+
     if not split:
         order = torch.argsort(group, stable=True)
         return list(order.split(2 * G))
@@ -98,8 +103,10 @@ def tiny_model_batches(seeds: int, off: bool) -> list[TokenBatch]:
     """The shipped tiny policy (trained on 2-digit additions) on 3-digit additions, so response
     lengths vary (as TRL audit's `lengths` workload): N_GROUPS prompts × G samples, strict
     reward; off-policy = log-probs after one AdamW step (lr 2e-4, the loop's) on another rollout."""
+    import torch
+
     from ..core import objectives
-    from ..core.batch import advantages
+    from ..core.batch import TokenBatch, advantages
     from ..loop.numerics.logprobs import token_logps
     from ..loop.rollouts.rollout import generate
     from ..loop.setup.policy import load_policy
@@ -138,6 +145,8 @@ WORKLOADS = {"synthetic": synthetic_batches, "tiny-model": tiny_model_batches}
 
 def audit_row(batches: dict, mode: str, agg: str) -> dict:
     """One (mode, agg) row: mean mini-batch ρ per situation, split share, W vs closed form."""
+    import torch
+
     row = {"loss_mode": mode, "loss_agg_mode": agg}
     dfpo = mode.startswith("gradlab_dfpo")
     name = mode if dfpo else f"gradlab_measure:{mode}"
@@ -168,6 +177,8 @@ def audit_row(batches: dict, mode: str, agg: str) -> dict:
 
 def run_audit(quick: bool = False, seeds: int = 4, log=print) -> pd.DataFrame:
     """Long table: one row per (workload, loss_mode, loss_agg_mode)."""
+    import pandas as pd
+
     from . import verl as gv
 
     modes = list(QUICK_MODES) if quick else gv.base_losses()
@@ -187,6 +198,8 @@ def run_audit(quick: bool = False, seeds: int = 4, log=print) -> pd.DataFrame:
 
 
 def _num(x) -> str:
+    import pandas as pd
+
     if x is None or pd.isna(x):
         return "—"
     return "≈0" if abs(x) < 1e-6 else f"{x:.3f}"
@@ -194,6 +207,8 @@ def _num(x) -> str:
 
 def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
     """One markdown table per workload."""
+    import pandas as pd
+
     out = [f"<!-- made by: {command} -->", ""]
     head = ("| loss_mode | loss_agg_mode | ρ on, whole | ρ off, whole | ρ on, split "
             "| ρ on, split, local norm. | ρ off, split, local norm. | split groups "
@@ -225,8 +240,10 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gradlab audit verl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli_args import Parser  # one-line errors, as every gradlab command
+
+    p = Parser(prog="gradlab audit verl", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="vanilla and gspo, synthetic only (CI)")
     p.add_argument("--out", default="figures", help="folder for verl_audit.csv / .md")
     p.add_argument("--seeds", type=int, default=4, help="batches per situation")
@@ -243,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "gradlab audit verl" + (" --quick" if a.quick else "") + (
-        f" --seeds {a.seeds}" if a.seeds != 4 else "") + f" --out {a.out}" + (
-        f" --findings {a.findings}" if a.findings else "")
+        f" --seeds {a.seeds}" if a.seeds != 4 else "") + f" --out {shlex.quote(a.out)}" + (
+        f" --findings {shlex.quote(a.findings)}" if a.findings else "")
     findings = Path(a.findings).read_text() if a.findings else ""
     df.to_csv(out / "verl_audit.csv", index=False)
     md = to_markdown(df, cmd, findings)
