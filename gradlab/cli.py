@@ -354,6 +354,10 @@ def cmd_variance(a: argparse.Namespace) -> int:
 def cmd_check(a: argparse.Namespace) -> int:
     if a.baseline and not a.update and not Path(a.baseline).is_file():  # before torch loads
         raise ConfigError(f"--baseline: {a.baseline} does not exist (--update writes a new one)")
+    if a.loss:  # its form, file or module, before torch loads (loading it is core/userloss.py's)
+        from .cli_args import check_loss_spec
+
+        check_loss_spec(a.loss)
     from .check import run_checked
 
     return run_checked(a)

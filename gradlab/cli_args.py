@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -70,6 +71,29 @@ def _check_args(p: argparse.ArgumentParser) -> None:
                         "somewhere, or only match the baseline")
     p.add_argument("--only", help="only scenarios whose name contains this string")
     p.add_argument("--no-model", action="store_true", help="synthetic scenarios only (no model)")
+
+
+def check_loss_spec(spec: str) -> None:
+    """`--loss module:fn` or `path/file.py:fn`: the form, and that the file or the module exists
+    (found from the working directory, as the loader finds it), without importing it."""
+    import importlib.util
+
+    mod, sep, fn = spec.rpartition(":")
+    if not (sep and mod and fn.isidentifier()):
+        raise ConfigError(f"--loss {spec!r}: expected module:function or path/file.py:function")
+    if mod.endswith(".py"):
+        if not Path(mod).is_file():
+            raise ConfigError(f"--loss {spec!r}: no file {mod}")
+        return
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.remove(os.getcwd())
+    if not found:
+        raise ConfigError(f"--loss {spec!r}: no module {mod} (from {os.getcwd()})")
 
 
 def _audit_args(p: argparse.ArgumentParser) -> None:

@@ -193,6 +193,7 @@ def test_argument_errors_do_not_import_torch_or_transformers(tmp_path):
              ["variance", "--objectives", "grpo,ppo"], ["doctor", "--device", "tpu"],
              ["table", "--G", "1"], ["view", str(tmp_path / "nothing")],
              ["check", "--baseline", str(tmp_path / "no.json")], ["audit", "verl", "--bogus"],
+             ["check", "--loss", "no_such_module_here:fn"], ["check", "--loss", "no_file.py:fn"],
              ["audit", "trl", "--workload", "x"]]
     code = ("import json, sys\nfrom gradlab.cli import main\nrcs = []\n"
             f"for argv in {cases!r}:\n"
