@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -68,17 +67,16 @@ def test_attribution_is_undefined_and_labels_must_differ():
         user.modulation(random_batch(), off=("clip",))
     with pytest.raises(ConfigError, match=r"duplicate names \['dr_grpo'\]"):
         RunConfig(objectives=[f"{EXAMPLE}:dr_grpo", f"{EXAMPLE}:dr_grpo[name=dr_grpo]"])
-    assert RunConfig(objectives=[f"{EXAMPLE}:dr_grpo", f"{EXAMPLE}:dr_grpo[name=two]"])
+    two = RunConfig(objectives=[f"{EXAMPLE}:dr_grpo", f"{EXAMPLE}:dr_grpo[name=two]"])
+    assert len(two.objectives) == 2  # other labels: accepted
 
 
 def test_missing_file_or_function_is_exit_2_before_any_work(tmp_path, capsys):
     for spec, what in ((str(tmp_path / "nope.py") + ":f", "no file"),
                        (f"{EXAMPLE}:nosuch", "has no callable 'nosuch'"),
                        ("no_such_module_xyz:f", "no module 'no_such_module_xyz'")):
-        t0 = time.perf_counter()
         assert main(["tandem", "--objectives", f"{spec},grpo", "--out", str(tmp_path / "o"),
                      "--steps", "1", *TINY]) == 2
-        assert time.perf_counter() - t0 < 3.0  # nothing loaded: no policy, no run folder
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and what in err[0] and err[0].startswith("gradlab tandem: error: ")
         assert not (tmp_path / "o").exists()
