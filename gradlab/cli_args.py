@@ -87,13 +87,16 @@ def check_loss_spec(spec: str) -> None:
         return
     sys.path.insert(0, os.getcwd())
     try:
-        found = importlib.util.find_spec(mod) is not None
+        missing = None if importlib.util.find_spec(mod) is not None else mod
+    except ModuleNotFoundError as e:  # a parent package is missing
+        missing = e.name or mod
     except (ImportError, ValueError):
-        found = False
+        missing = mod
     finally:
         sys.path.remove(os.getcwd())
-    if not found:
-        raise ConfigError(f"--loss {spec!r}: no module {mod} (from {os.getcwd()})")
+    if missing:
+        raise ConfigError(f"--loss {spec!r}: no module {missing!r} (looked in {os.getcwd()} and "
+                          "the installed packages)")
 
 
 def _audit_args(p: argparse.ArgumentParser) -> None:
