@@ -7,6 +7,7 @@ on response tokens. Notation: docs/concepts/index.md#setting-and-notation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -200,6 +201,15 @@ def group_index(group: Tensor) -> tuple[Tensor, Tensor]:
     _, gid = torch.unique(group, return_inverse=True)
     sizes = torch.bincount(gid)
     return gid, sizes
+
+
+def split_share(group: Tensor, part: Tensor) -> float:
+    """Share of groups (group, part: (B,) long) whose rows fall into more than one part — an
+    optimizer step, a micro-batch (NaN with no group: undefined)."""
+    gid, sizes = group_index(group)
+    lo = torch.full_like(sizes, torch.iinfo(torch.long).max).scatter_reduce(0, gid, part, "amin")
+    hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, part, "amax")
+    return float((hi != lo).float().mean()) if sizes.numel() else math.nan
 
 
 def advantages(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core.batch import TokenBatch, group_index
+from ..core.batch import TokenBatch, group_index, split_share
 from ..core.cancellation import cancellation
 from ..core.nodes import SharedNodes, shared_nodes
 from ..probes.residuals import defined_ratio
@@ -73,16 +73,6 @@ def grouped_shuffle(seq_dict: dict) -> dict:
         return [v[i] for i in perm.tolist()]
 
     return {k: permute(v) for k, v in seq_dict.items()}
-
-
-def split_share(group: Tensor, step: Tensor) -> float:
-    """Share of groups (group, step: (B,) long) whose rows fall into more than one step
-    (NaN with no group: undefined)."""
-    gid, sizes = group_index(group)
-    big = torch.iinfo(torch.long).max
-    lo = torch.full_like(sizes, big).scatter_reduce(0, gid, step, reduce="amin")
-    hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, step, reduce="amax")
-    return float((hi != lo).float().mean()) if sizes.numel() else math.nan
 
 
 def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, float]:

@@ -53,7 +53,7 @@ from torch import Tensor
 from verl.trainer.ppo import core_algos
 
 from ..core import objectives
-from ..core.batch import TokenBatch, group_index
+from ..core.batch import TokenBatch, group_index, split_share
 from ..core.cancellation import cancellation
 from ..core.dfpo import SCOPES, TRANSFORMS, node_map, transform_weights
 from ..core.nodes import NODE_KINDS, shared_nodes
@@ -136,15 +136,6 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 
 
 # ----------------------------------------------------------------------------- pure helpers
-
-
-def split_share(group: Tensor, part: Tensor) -> float:
-    """Share of groups (group, part: (B,) long) whose rows fall into more than one part (NaN
-    with no group)."""
-    gid, sizes = group_index(group)
-    lo = torch.full_like(sizes, torch.iinfo(torch.long).max).scatter_reduce(0, gid, part, "amin")
-    hi = torch.full_like(sizes, -1).scatter_reduce(0, gid, part, "amax")
-    return float((hi != lo).float().mean()) if sizes.numel() else math.nan
 
 
 def row_advantages(advantages: Tensor, mask: Tensor, strict: bool, who: str) -> Tensor:
