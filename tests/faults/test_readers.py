@@ -15,12 +15,13 @@ from .helpers import RUN, STEPS, gradlab_cmd, popen, wait_lines
 
 def _prefix(out) -> int:
     """Read the run as a notebook would; check the prefix is consistent; its length."""
+    # the traces first: read after the metrics, they could hold steps the run wrote in between
+    traced = set(gradlab.load_traces(out)["step"])
     wide = gradlab.load_run(out, wide=True)
     steps = list(wide["step"])
     assert steps == list(range(len(steps)))  # whole steps, in order, none missing
     assert wide.drop(columns=["eval_accuracy", "eval_accuracy_greedy"], errors="ignore") \
         .filter(like="time_step").notna().all().all()
-    traced = set(gradlab.load_traces(out)["step"])
     assert traced <= set(range(0, len(steps) + 1, 2))  # trace file of a step precede its line
     return len(steps)
 
