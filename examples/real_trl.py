@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/real_model.
 OBJECTIVES = ("token", "gspo", "dfpo")
 GSPO_EPS = (3e-4, 4e-4)  # TRL's GSPO recipe
 FIELDS = ("objective", "step", "metric", "value")
+POOL = 1024  # training problems drawn (more only when --steps needs them)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="optimizer steps per generation batch (> 1: off-policy, drift measured)")
     ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--difficulty", type=int, default=1, help="word-problem difficulty 1..3")
+    ap.add_argument("--fewshot", default="chat", choices=("chat", "inline"),
+                    help="the worked example as an earlier exchange (chat) or in the prompt text")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--temperature", type=float, default=0.7,
                     help="sampling temperature (TRL's log-probs and so W are at it too)")
@@ -98,8 +101,7 @@ def dataset(task, n: int, seed: int):
     from gradlab.loop.setup.heldout import TrainSplit
 
     probs = TrainSplit(task).problems(n, seed)
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}],
-                               "answer": p.answer} for p in probs])
+    return Dataset.from_list([{"prompt": task.messages(p), "answer": p.answer} for p in probs])
 
 
 def reward_fn(task):
@@ -113,14 +115,13 @@ def reward_fn(task):
     return correct
 
 
-def heldout_accuracy(model, tok, problems: list, max_new: int) -> float:
-    """Greedy accuracy on `problems` (chat template on), batched, at the current weights."""
+def heldout_accuracy(model, tok, task, problems: list, max_new: int) -> float:
+    """Greedy accuracy on `problems` (the task's conversation in the chat template), batched,
+    at the current weights."""
     import torch
 
-    from gradlab.loop.setup.wordtask import WordProblemTask
-
-    texts = [tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
-                                     add_generation_prompt=True) for p in problems]
+    texts = [tok.apply_chat_template(task.messages(p), tokenize=False, add_generation_prompt=True)
+             for p in problems]
     side, tok.padding_side = tok.padding_side, "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     tok.padding_side = side
@@ -131,7 +132,6 @@ def heldout_accuracy(model, tok, problems: list, max_new: int) -> float:
                              pad_token_id=tok.pad_token_id)
     model.train(was)
     resp = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    task = WordProblemTask()
     return sum(task.is_correct(p, r) for p, r in zip(problems, resp)) / len(problems)
 
 
@@ -164,7 +164,8 @@ def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: P
     from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
     from gradlab.loop.setup.wordtask import WordProblemTask
 
-    task = WordProblemTask(difficulty=a.difficulty, max_new_tokens=a.max_completion_length)
+    task = WordProblemTask(difficulty=a.difficulty, max_new_tokens=a.max_completion_length,
+                           fewshot=a.fewshot)
     base = GradlabGRPOTrainer if gradlab else GRPOTrainer
 
     class Timed(base):
@@ -183,7 +184,10 @@ def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: P
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     kw = {"model": model, "reward_funcs": reward_fn(task), "processing_class": tok,
           "args": grpo_config(a, objective, out_dir),
-          "train_dataset": dataset(task, a.steps * a.prompts // a.spg + a.prompts, a.seed)}
+          # a pool that does not grow with --steps: a resumed run with a larger --steps sees the
+          # prompts an uninterrupted run would (TRL's sampler shuffles by the pool's size)
+          "train_dataset": dataset(task, max(a.steps * a.prompts // a.spg + a.prompts, POOL),
+                                   a.seed)}
     if gradlab:
         kw["gradlab"] = GradlabConfig(
             store=str(out_dir / "gradlab"), resume=resume, objective=objective,
@@ -243,7 +247,8 @@ def recorder(objective: str, tr, task, csv_path: Path, a: argparse.Namespace):
         t0, t_step = 0.0, math.nan
 
         def evaluate(self, step: int) -> None:
-            acc = heldout_accuracy(tr.model, tr.processing_class, held, a.max_completion_length)
+            acc = heldout_accuracy(tr.model, tr.processing_class, task, held,
+                                   a.max_completion_length)
             append_rows(csv_path, [{"objective": objective, "step": step,
                                     "metric": "heldout_acc", "value": acc}])
 

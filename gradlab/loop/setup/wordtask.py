@@ -27,15 +27,17 @@ NAMES = ("Tom", "Ana", "Sam", "Mia", "Leo", "Zoe", "Ben", "Ivy")
 ITEMS = ("apples", "books", "coins", "pens", "cards", "stickers", "marbles", "shells")
 INSTRUCTION = "Think step by step, then end with 'The answer is <number>.'"
 _RANGES = {1: (1, 9), 2: (1, 9), 3: (2, 20)}
-# One worked example before each problem: it shows the marker (without it the base model ends
-# with the marker in about a third of its sampled responses; figures/real_trl_pilot.md)
+# One worked example (question, answer) before each problem: it shows the marker (without it
+# the base model ends with the marker in about a third of its sampled responses;
+# figures/real_trl_pilot.md)
 EXAMPLES = {
-    1: "Example: Sam has 2 pens. Sam buys 3 more. How many pens does Sam have now? Sam has "
-       "2 + 3 = 5 pens. The answer is 5.\n\n",
-    2: "Example: Sam has 2 pens. Sam buys 3 more, then gives 1 away. How many pens does Sam "
-       "have now? Sam has 2 + 3 = 5 pens, then 5 - 1 = 4 pens. The answer is 4.\n\n",
+    1: ("Sam has 2 pens. Sam buys 3 more. How many pens does Sam have now?",
+        "Sam has 2 + 3 = 5 pens. The answer is 5."),
+    2: ("Sam has 2 pens. Sam buys 3 more, then gives 1 away. How many pens does Sam have now?",
+        "Sam has 2 + 3 = 5 pens, then 5 - 1 = 4 pens. The answer is 4."),
 }
 EXAMPLES[3] = EXAMPLES[2]
+FEWSHOT = ("inline", "chat")
 
 
 def extract_marked(response: str, marker: str = MARKER) -> str | None:
@@ -54,20 +56,30 @@ class WordProblemTask:
 
     difficulty: 1..3 (module docstring). seed: task seed, mixed into every `problems` call.
     max_new_tokens: completion budget in tokens (a short chain of thought fits in 128).
+    fewshot: where the worked example goes. "inline": in the prompt's text, before the problem
+    ("Example: … The answer is 5.\n\n<problem>"). "chat": as an earlier exchange of the
+    conversation (`messages`: user example, assistant answer, user problem); the prompt text is
+    then the problem alone. In the chat form SmolLM2-135M-Instruct answers in the example's
+    words ("Tom has 2 + 7 = 9 cards. …"), so the G responses of a prompt often share their
+    first tokens (figures/real_trl.md).
     """
 
     name = "word"
 
-    def __init__(self, difficulty: int = 1, seed: int = 0, max_new_tokens: int = 128):
+    def __init__(self, difficulty: int = 1, seed: int = 0, max_new_tokens: int = 128,
+                 fewshot: str = "inline"):
         if difficulty not in _RANGES:
             raise ValueError(f"word task: difficulty={difficulty!r}; valid: 1, 2, 3")
         if max_new_tokens < 1:
             raise ValueError(f"word task: max_new_tokens={max_new_tokens}; valid: ≥ 1")
+        if fewshot not in FEWSHOT:
+            raise ValueError(f"word task: fewshot={fewshot!r}; valid: {', '.join(FEWSHOT)}")
         self.difficulty, self.seed, self._max_new = difficulty, seed, max_new_tokens
+        self.fewshot = fewshot
 
     @property
     def key(self) -> str:
-        return f"word-d{self.difficulty}"
+        return f"word-d{self.difficulty}" + ("-chat" if self.fewshot == "chat" else "")
 
     @property
     def max_new_tokens(self) -> int:
@@ -89,9 +101,22 @@ class WordProblemTask:
             c = rng.randint(lo, a + b)
             text = f", then gives {c} away"
             result = a + b - c
-        prompt = (f"{EXAMPLES[self.difficulty]}{who} has {a} {item}. {who} buys {b} more{text}. How many {item} does "
+        prompt = (f"{who} has {a} {item}. {who} buys {b} more{text}. How many {item} does "
                   f"{who} have now? {INSTRUCTION}")
+        if self.fewshot == "inline":
+            question, answer = EXAMPLES[self.difficulty]
+            prompt = f"Example: {question} {answer}\n\n{prompt}"
         return Problem(prompt=prompt, answer=str(result))
+
+    def messages(self, problem: Problem) -> list[dict]:
+        """The conversation of one problem (chat-template messages): the user's prompt, after
+        the worked example's exchange when fewshot="chat"."""
+        if self.fewshot == "inline":
+            return [{"role": "user", "content": problem.prompt}]
+        question, answer = EXAMPLES[self.difficulty]
+        return [{"role": "user", "content": f"{question} {INSTRUCTION}"},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": problem.prompt}]
 
     def problems(self, n: int, seed: int) -> list[Problem]:
         """`n` problems, deterministic in (task seed, seed)."""
