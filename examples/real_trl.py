@@ -291,6 +291,7 @@ def trim_rows(csv_path: Path, objective: str, after: int) -> None:
 
 def run_objective(a: argparse.Namespace, objective: str, folder: Path, out: Path) -> None:
     """Train one objective to --steps optimizer steps, from its last checkpoint if any."""
+    from gradlab import provenance
     from gradlab.integrations.trl_audit import quiet
 
     out_dir = out / objective
@@ -298,7 +299,10 @@ def run_objective(a: argparse.Namespace, objective: str, folder: Path, out: Path
     if ckpt is None and out_dir.exists():  # stopped before its first checkpoint: start afresh
         shutil.rmtree(out_dir)
     csv_path = out / "real_trl.csv"
-    trim_rows(csv_path, objective, int(ckpt.name.split("-")[1]) if ckpt else -1)
+    start = int(ckpt.name.split("-")[1]) if ckpt else 0
+    trim_rows(csv_path, objective, start if ckpt else -1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    provenance.record(out_dir, start)  # this segment's code hash, commit and machine
     with quiet():
         tr, task = make_trainer(a, objective, folder, out_dir, resume=ckpt is not None)
         tr.add_callback(recorder(objective, tr, task, csv_path, a))

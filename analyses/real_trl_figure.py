@@ -1,0 +1,193 @@
+"""The real-model study in TRL: figures/real_trl.{csv,json,png} and the results table of
+figures/real_trl.md, from the runs of examples/real_trl.py (one folder per objective).
+
+    python -m analyses.real_trl_figure --runs runs/real_trl          # token/, gspo/, dfpo/
+
+Each objective's folder holds the recipe's real_trl.csv (objective, step, metric, value) and
+provenance.json (code hash, commit, machine). The tidy CSV is their rows, sorted; the JSON lists
+the runs with their provenance and the table's numbers; the figure has one panel per question:
+reward and held-out accuracy, entropy, the share of W mass at shared tokens (whole group and
+trie nodes), ρ at both, and the learning tax. One run per objective: the table gives means over
+blocks of steps, with no interval (steps of one run are not independent samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "figures"
+OBJECTIVES = {"token": "TRL default (token)", "gspo": "GSPO", "dfpo": "DFPO Min-Replace"}
+# (metric, label, how a block of steps reduces it); NaN steps are skipped by the mean
+TABLE = (("reward", "reward", "mean"), ("heldout_acc", "held-out acc", "last"),
+         ("entropy", "entropy (nats)", "mean"), ("completion_length", "tokens", "mean"),
+         ("has_prefix", "steps with a full-group token", "frac"),
+         ("share_prefix", "W share, full group", "mean"), ("share_trie", "W share, trie", "mean"),
+         ("rho_prefix", "ρ full group", "mean"), ("rho_trie", "ρ trie", "mean"),
+         ("drift_node_dlogp", "drift at full-group tokens", "mean"),
+         ("tax_share", "‖g_tax‖/‖g‖", "mean"))
+TABLE_BLOCK = re.compile(r"(<!-- table:real_trl -->\n).*?(<!-- /table -->)", re.S)
+
+
+def load(runs: Path) -> tuple[pd.DataFrame, list[dict]]:
+    """(tidy rows of every objective, one provenance row per objective's run)."""
+    from gradlab.provenance import summary
+
+    frames, prov = [], []
+    for obj in OBJECTIVES:
+        # one recipe run with every objective (runs/real_trl.csv, runs/OBJ/), or one run per
+        # objective side by side (runs/OBJ/real_trl.csv, runs/OBJ/OBJ/)
+        f = next((p for p in (runs / obj / "real_trl.csv", runs / "real_trl.csv") if p.is_file()),
+                 None)
+        if f is None:
+            raise SystemExit(f"real_trl_figure: {runs}: no real_trl.csv for {obj} "
+                             "(run examples/real_trl.py first)")
+        d = pd.read_csv(f)
+        frames.append(d[d["objective"] == obj])
+        run = next((p for p in (runs / obj / obj, runs / obj)
+                    if (p / "provenance.json").is_file()), runs / obj)
+        row = summary(run, reused=False)
+        row.pop("current_code", None)  # computed on demand: python -m analyses.provenance
+        prov.append({"objective": obj, **row})
+    df = pd.concat(frames, ignore_index=True).sort_values(["objective", "step", "metric"])
+    return df.reset_index(drop=True), prov
+
+
+def wide(df: pd.DataFrame) -> pd.DataFrame:
+    """(objective, step) × metric, with has_prefix = 1 where a full-group token exists."""
+    w = df.pivot_table(index=["objective", "step"], columns="metric", values="value",
+                       aggfunc="first", dropna=False)
+    if "nodes_prefix" in w:
+        w["has_prefix"] = np.where(w["nodes_prefix"].isna(), np.nan,
+                                   (w["nodes_prefix"] > 0).astype(float))
+    return w
+
+
+def blocks(w: pd.DataFrame, size: int) -> list[tuple[int, int]]:
+    last = int(w.index.get_level_values("step").max())
+    return [(lo, min(lo + size - 1, last)) for lo in range(1, last + 1, size)]
+
+
+def table(w: pd.DataFrame, size: int = 20) -> tuple[str, dict]:
+    """Markdown rows (metric × objective × block of steps) and the same numbers as a dict."""
+    spans = blocks(w, size)
+    head = "| metric | objective | " + " | ".join(f"steps {a}–{b}" for a, b in spans) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(spans)]
+    out: dict = {}
+    for metric, label, how in TABLE:
+        for obj in OBJECTIVES:
+            if metric not in w or obj not in w.index.get_level_values(0):
+                continue
+            s = w.loc[obj, metric]
+            vals = []
+            for a, b in spans:
+                part = s[(s.index >= (0 if how == "last" else a)) & (s.index <= b)].dropna()
+                v = (part.iloc[-1] if how == "last" else part.mean()) if len(part) else math.nan
+                vals.append(float(v))
+            out.setdefault(metric, {})[obj] = vals
+            lines.append(f"| {label} | {OBJECTIVES[obj]} | " + " | ".join(_fmt(v, metric) for v in vals) + " |")
+    lines.append("\n— : undefined at every step of the block (no token shared by the whole "
+                 "group, or no gradient: a tied group).")
+    return "\n".join(lines) + "\n", {"blocks": spans, "values": out}
+
+
+def _fmt(v: float, metric: str) -> str:
+    if math.isnan(v):
+        return "—"
+    if metric in ("share_prefix", "share_trie", "tax_share", "has_prefix", "reward", "heldout_acc"):
+        return f"{100 * v:.1f} %"
+    return f"{v:.3g}"
+
+
+def figure(w: pd.DataFrame, path: Path) -> None:
+    """Five panels, the three objectives in each: lines are 5-step rolling means."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("reward", "heldout_acc", "reward (line) · held-out acc (dots)", False),
+              ("entropy", None, "entropy (nats / token)", False),
+              ("share_prefix", "share_trie", "W share: full group (line) · trie (dashed)", False),
+              ("rho_prefix", "rho_trie", "ρ: full group (line) · trie (dashed)", True),
+              ("tax_share", None, "‖g_tax‖ / ‖g‖", False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    colors = dict(zip(OBJECTIVES, ("tab:gray", "tab:blue", "tab:orange")))
+    for ax, (m1, m2, title, log) in zip(axes, panels):
+        for obj, c in colors.items():
+            if obj not in w.index.get_level_values(0):
+                continue
+            d = w.loc[obj]
+            if m1 in d:
+                y = d[m1]
+                ax.plot(y.index, y, color=c, alpha=0.2, lw=0.8)
+                ax.plot(y.index, y.rolling(5, min_periods=1).mean(), color=c, label=OBJECTIVES[obj])
+            if m2 and m2 in d:
+                y = d[m2].dropna()
+                if m2 == "heldout_acc":
+                    ax.plot(y.index, y, "o", color=c, ms=4)
+                else:
+                    ax.plot(y.index, y.rolling(5, min_periods=1).mean(), "--", color=c)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("optimizer step")
+        if log:
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="runs/real_trl", help="folder with token/, gspo/, dfpo/")
+    p.add_argument("--figures", default=str(FIGURES))
+    p.add_argument("--block", type=int, default=20, help="steps per table column")
+    a = p.parse_args(argv)
+    out = Path(a.figures)
+    df, prov = load(Path(a.runs))
+    df.to_csv(out / "real_trl.csv", index=False)
+    w = wide(df)
+    md, numbers = table(w, a.block)
+    steps = {o: int(w.loc[o].index.max()) for o in OBJECTIVES if o in w.index.get_level_values(0)}
+    first = {o: _first(w, o) for o in steps}
+    meta = {"runs": prov, "steps": steps, "first_full_group_step": first, "table": numbers,
+            "command": "python examples/real_trl.py --objectives OBJ --steps 60 --G 8 "
+                       "--prompts 2 --spg 2 --max-completion-length 128 --eval-every 10 "
+                       "--eval-size 32 --tax-every 1 --save-every 5 --fewshot chat"}
+    (out / "real_trl.json").write_text(json.dumps(meta, indent=1, default=_nan) + "\n")
+    figure(w, out / "real_trl.png")
+    page = out / "real_trl.md"
+    if page.is_file():
+        text = page.read_text()
+        if not TABLE_BLOCK.search(text):
+            raise SystemExit(f"{page}: no <!-- table:real_trl --> … <!-- /table --> block")
+        page.write_text(TABLE_BLOCK.sub(lambda m: m.group(1) + md + m.group(2), text))
+    print(md)
+    print(f"wrote {out / 'real_trl.csv'}, real_trl.json, real_trl.png; steps {steps}")
+    return 0
+
+
+def _first(w: pd.DataFrame, obj: str) -> int | None:
+    """The first optimizer step with a token shared by a whole group, or None."""
+    d = w.loc[obj]
+    hit = d.index[d.get("has_prefix", pd.Series(dtype=float)).fillna(0) > 0]
+    return int(hit[0]) if len(hit) else None
+
+
+def _nan(x):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+if __name__ == "__main__":
+    sys.exit(main())
