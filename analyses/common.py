@@ -67,14 +67,12 @@ def run_seeds(root: str | Path, seeds, ledger: list | None = None, reuse_any_cod
 
 
 def run_row(run: str | Path, reused: bool) -> dict:
-    """A figure's provenance row for one run (`gradlab.provenance.summary`) without its
-    `current_code` flag: whether a run's code is the shipped code changes with every later
-    commit, so `python -m analyses.provenance` computes it when asked instead."""
+    """A figure's provenance row for one run (`gradlab.provenance.summary`). It stores no
+    flag for "made by the shipped code": that changes with every later commit, so
+    `python -m analyses.provenance` computes it when asked."""
     from gradlab.provenance import summary
 
-    row = summary(run, reused)
-    row.pop("current_code", None)
-    return row
+    return summary(run, reused)
 
 
 def _run_one(job: tuple) -> list:

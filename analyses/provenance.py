@@ -27,11 +27,15 @@ FIGURES = Path(__file__).resolve().parents[1] / "figures"
 
 
 def listed_runs(meta: dict) -> list[dict]:
-    """The per-run provenance rows a figure JSON lists (`runs` or `run_provenance`), or []."""
+    """The per-run provenance rows a figure JSON lists (`runs` or `run_provenance`: a list of
+    rows, or a mapping run → record holding its `provenance`), or []."""
     for key in ("runs", "run_provenance"):
         rows = meta.get(key)
         if isinstance(rows, list) and rows and isinstance(rows[0], dict):
             return rows
+        if isinstance(rows, dict) and rows and all(
+                isinstance(v, dict) and isinstance(v.get("provenance"), dict) for v in rows.values()):
+            return [{"run": k, **v["provenance"]} for k, v in rows.items()]
     return []
 
 

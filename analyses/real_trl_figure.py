@@ -7,7 +7,7 @@ Each objective's folder holds the recipe's real_trl.csv (objective, step, metric
 provenance.json (code hash, commit, machine). The tidy CSV is their rows, sorted; the JSON lists
 the runs with their provenance and the table's numbers; the figure has one panel per question:
 reward and held-out accuracy, entropy, the share of W mass at shared tokens (whole group and
-trie nodes), ρ at both, and the learning tax. One run per objective: the table gives means over
+trie nodes), ρ at both, the learning tax and the drift at full-group tokens. One run per objective: the table gives means over
 blocks of steps, with no interval (steps of one run are not independent samples).
 """
 
@@ -57,8 +57,7 @@ def load(runs: Path) -> tuple[pd.DataFrame, list[dict]]:
         frames.append(d[d["objective"] == obj])
         run = next((p for p in (runs / obj / obj, runs / obj)
                     if (p / "provenance.json").is_file()), runs / obj)
-        row = summary(run, reused=False)
-        row.pop("current_code", None)  # computed on demand: python -m analyses.provenance
+        row = summary(run, reused=False)  # shipped or not: python -m analyses.provenance
         prov.append({"objective": obj, **row})
     df = pd.concat(frames, ignore_index=True).sort_values(["objective", "step", "metric"])
     return df.reset_index(drop=True), prov
@@ -111,7 +110,8 @@ def _fmt(v: float, metric: str) -> str:
 
 
 def figure(w: pd.DataFrame, path: Path) -> None:
-    """Five panels, the three objectives in each: lines are 5-step rolling means."""
+    """Six panels, the three objectives in each: lines are 5-step rolling means (faint: each
+    step), dots the held-out accuracy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -120,8 +120,10 @@ def figure(w: pd.DataFrame, path: Path) -> None:
               ("entropy", None, "entropy (nats / token)", False),
               ("share_prefix", "share_trie", "W share: full group (line) · trie (dashed)", False),
               ("rho_prefix", "rho_trie", "ρ: full group (line) · trie (dashed)", True),
-              ("tax_share", None, "‖g_tax‖ / ‖g‖", False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+              ("tax_share", None, "‖g_tax‖ / ‖g‖", False),
+              ("drift_node_dlogp", None, "drift at full-group tokens (Δ log-prob)", False))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    axes = axes.ravel()
     colors = dict(zip(OBJECTIVES, ("tab:gray", "tab:blue", "tab:orange")))
     for ax, (m1, m2, title, log) in zip(axes, panels):
         for obj, c in colors.items():

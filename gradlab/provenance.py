@@ -128,5 +128,4 @@ def summary(run: str | Path, reused: bool) -> dict:
     return {"run": str(run), "code_hash": ",".join(dict.fromkeys(s.get("code_hash", "?") for s in segs)) or None,
             "commit": last.get("commit"), "dirty": last.get("dirty"),
             "cpu_model": last.get("cpu_model"), "torch": last.get("torch"),
-            "threads": last.get("threads"), "reused": reused,
-            "current_code": bool(segs) and all(s.get("code_hash") == code_hash() for s in segs)}
+            "threads": last.get("threads"), "reused": reused}

@@ -465,4 +465,10 @@ def test_provenance_is_computed_not_stored(tmp_path, capsys):
     assert "  by other code 0123456789abcdef: 2 runs (commit bbbbbbb)" in lines
     assert f"    same_runs: identical to code {code_hash()} on r1" in lines
     assert lines[-1] == "    same_runs: not recorded"
+    # runs as a mapping run → record with its provenance (regression_power_shipped.json's form)
+    (tmp_path / "g.json").write_text(json.dumps({"runs": {
+        "r4": {"what": "unmodified", "provenance": dict(other, start_step=0)},
+        "r5": {"what": "lr", "provenance": row}}}))
+    lines = provenance.report(tmp_path)
+    assert "g.json:" in lines and f"  2 runs listed; by the shipped code ({code_hash()}): 1" in lines
     assert provenance.main(["--figures", str(tmp_path / "absent")]) == 2
