@@ -147,21 +147,32 @@ def spawn(a: argparse.Namespace, runner: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def report(res: dict[str, list[dict]], a: argparse.Namespace) -> dict:
-    """Markdown table of medians over rounds, ratios to plain TRL."""
+def report(res: dict[str, list[dict]], a: argparse.Namespace) -> tuple[dict, str]:
+    """Medians over rounds and the ratio to plain TRL *within each round* (runners of one round
+    ran back to back, so a change of machine load falls on the ratio's both sides): the
+    median ratio and its range over rounds. Returns (numbers, markdown table)."""
     med = {k: {m: statistics.median(r[m] for r in v)
                for m in ("median_step_s", "s_per_ktok", "peak_rss_gib")} for k, v in res.items()}
-    t = med["trl"]
-    print(f"\nSmolLM2-135M-Instruct, {a.prompts} prompts × G={a.G}, ≤ {a.tokens} tokens, "
-          f"{a.spg} optimizer steps per generation batch, {a.steps} steps per run (first "
-          f"batch not timed), {a.rounds} round(s), 1 thread\n")
-    print("| runner | s / optimizer step | ratio to trl | s / 1k completion tokens | ratio | "
-          "peak RSS (GiB) | ratio |\n|---|---:|---:|---:|---:|---:|---:|")
+    ratios = {k: {m: [r[m] / t[m] for r, t in zip(v, res["trl"])]
+                  for m in ("median_step_s", "s_per_ktok", "peak_rss_gib")} for k, v in res.items()}
+    head = (f"SmolLM2-135M-Instruct, {a.prompts} prompts × G={a.G}, ≤ {a.tokens} tokens, "
+            f"{a.spg} optimizer steps per generation batch, {a.steps} steps per run (first "
+            f"batch not timed), {a.rounds} round(s), 1 thread")
+    rows = ["| runner | s / optimizer step | ratio to trl (range over rounds) | "
+            "s / 1k completion tokens | ratio | peak RSS (GiB) | ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for k, m in med.items():
-        print(f"| {k} | {m['median_step_s']:.1f} | {m['median_step_s'] / t['median_step_s']:.2f}× "
-              f"| {m['s_per_ktok']:.1f} | {m['s_per_ktok'] / t['s_per_ktok']:.2f}× | "
-              f"{m['peak_rss_gib']:.2f} | {m['peak_rss_gib'] / t['peak_rss_gib']:.2f}× |")
-    return med
+        r = {x: (statistics.median(v), min(v), max(v)) for x, v in ratios[k].items()}
+        span = (f" ({r['median_step_s'][1]:.2f}–{r['median_step_s'][2]:.2f})"
+                if a.rounds > 1 and k != "trl" else "")
+        rows.append(f"| {k} | {m['median_step_s']:.1f} | {r['median_step_s'][0]:.2f}×{span} | "
+                    f"{m['s_per_ktok']:.1f} | {r['s_per_ktok'][0]:.2f}× | "
+                    f"{m['peak_rss_gib']:.2f} | {r['peak_rss_gib'][0]:.2f}× |")
+    table = head + "\n\n" + "\n".join(rows) + "\n"
+    print("\n" + table)
+    return {"medians": med, "ratios": ratios,
+            "ratio_median": {k: {x: statistics.median(v) for x, v in d.items()}
+                             for k, d in ratios.items()}}, table
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -176,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (both)")
     p.add_argument("--runners", default=",".join(RUNNERS))
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write every step time, medians, ratios and "
+                   "the provenance here (figures/real_trl_cost.json)")
+    p.add_argument("--table", default=None, help="write the markdown table here")
     p.add_argument("--_child", dest="runner", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.runner:
@@ -195,11 +208,15 @@ def main(argv: list[str] | None = None) -> dict:
         for name in runners[k:] + runners[:k]:
             res[name].append(spawn(a, name))
             print(f"  round {r} {name}: {res[name][-1]}", file=sys.stderr, flush=True)
-    med = report(res, a)
+    nums, table = report(res, a)
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "runs": res, "medians": med},
-                                           indent=1))
-    return med
+        from gradlab.provenance import current
+
+        Path(a.json).write_text(json.dumps({"args": vars(a), "provenance": current(),
+                                            "runs": res, **nums}, indent=1) + "\n")
+    if a.table:
+        Path(a.table).write_text(table)
+    return nums["medians"]
 
 
 if __name__ == "__main__":

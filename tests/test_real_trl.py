@@ -104,3 +104,38 @@ def test_recipe_smallest_size_resumes(tmp_path, monkeypatch):
         if by[(step, "reward")] in (0.0, 1.0) or by[(step, "n_nodes")] == 0:
             assert math.isnan(by[(step, "rho_prefix")]) and math.isnan(by[(step, "tax_share")])
     assert {s for s, m in by if m == "heldout_acc"} == {0, 1, 2}
+
+
+def test_chat_fewshot_puts_the_worked_example_in_an_earlier_exchange():
+    inline, chat = WordProblemTask(), WordProblemTask(fewshot="chat")
+    p_in, p_chat = inline.problems(20, seed=1), chat.problems(20, seed=1)
+    assert [p.answer for p in p_in] == [p.answer for p in p_chat]  # the same problems
+    for a, b in zip(p_in, p_chat):
+        assert a.prompt.endswith(b.prompt) and a.prompt.startswith("Example: ")
+        assert "Example" not in b.prompt and int(b.answer) == solve(b.prompt)
+        assert inline.messages(a) == [{"role": "user", "content": a.prompt}]
+        m = chat.messages(b)
+        assert [x["role"] for x in m] == ["user", "assistant", "user"] and m[-1]["content"] == b.prompt
+        assert chat.reward(b, m[1]["content"]) == 0.0 or b.answer == "5"  # the example's own answer
+    assert chat.key == "word-d1-chat" != inline.key
+    with pytest.raises(ValueError, match="fewshot='turn'; valid: inline, chat"):
+        WordProblemTask(fewshot="turn")
+
+
+def test_bench_ratios_are_taken_within_each_round():
+    """The overhead table's ratio of a runner to plain TRL is the median over rounds of the
+    ratio within a round, so a slower round (machine load) cancels out."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from analyses.bench_real_trl import report
+
+    def run(t):
+        return {"median_step_s": t, "s_per_ktok": 10 * t, "peak_rss_gib": 5.0}
+
+    res = {"trl": [run(10.0), run(20.0), run(40.0)], "trl+cheap": [run(11.0), run(22.0), run(40.0)]}
+    a = argparse.Namespace(prompts=2, G=8, tokens=128, spg=2, steps=4, rounds=3)
+    nums, table = report(res, a)
+    assert nums["ratio_median"]["trl+cheap"]["median_step_s"] == pytest.approx(1.1)
+    assert nums["ratios"]["trl+cheap"]["median_step_s"] == pytest.approx([1.1, 1.1, 1.0])
+    assert "| trl+cheap | 22.0 | 1.10× (1.00–1.10) |" in table
