@@ -12,8 +12,10 @@ CPU, G completions per prompt of up to --max-completion-length tokens, one objec
 It writes one tidy CSV, <out>/real_trl.csv (objective, step, metric, value), per optimizer step:
 reward, entropy, completion_length, W-mass shares at full-group and trie nodes (share_prefix,
 share_trie), ρ at both (rho_prefix, rho_trie), the log-prob drift at full-group node tokens
-(drift_node_dlogp, off-policy steps), the learning tax (tax_share, tax_cos, every
---tax-every steps; NaN on a step with no full-group token, n_nodes = 0), timings (time_step,
+(drift_node_dlogp, off-policy steps), the share of groups split over optimizer steps by TRL's
+row shuffle (split_groups), the learning tax of each optimizer step's gradient (tax_share,
+tax_cos, every --tax-every steps; NaN on a step with no full-group token, n_nodes = 0: the nodes
+of the step's own rows, so a split group's part pays a tax the whole group would not), timings (time_step,
 time_sampling, time_probes, time_tax: seconds) and peak_rss_gib; heldout_acc (greedy,
 --eval-size held-out problems) every --eval-every steps and at step 0. An undefined value stays NaN (e.g. ρ with no token shared by a whole group).
 
@@ -216,7 +218,8 @@ def step_rows(objective: str, step: int, tr, logs: dict, t_step: float) -> list[
     vals = {"reward": logs.get("reward", nan), "entropy": logs.get("entropy", nan),
             "completion_length": logs.get("completions/mean_length", nan),
             **{k: m.get(k, nan) for k in ("share_prefix", "share_trie", "rho_prefix", "rho_trie",
-                                          "nodes_prefix", "nodes_trie", "drift_node_dlogp")},
+                                          "nodes_prefix", "nodes_trie", "drift_node_dlogp",
+                                          "split_groups")},
             **{k: tax.get(k, nan) for k in ("tax_share", "tax_cos", "n_nodes", "time_tax")},
             "time_step": t_step, "time_sampling": tr.times["sampling"],
             "time_probes": tr.times["probes"],
