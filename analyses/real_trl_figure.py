@@ -110,8 +110,8 @@ def _fmt(v: float, metric: str) -> str:
 
 
 def figure(w: pd.DataFrame, path: Path) -> None:
-    """Six panels, the three objectives in each: lines are 5-step rolling means (faint: each
-    step), dots the held-out accuracy."""
+    """Six panels, the three objectives in each: lines are rolling means over 5 measured steps
+    (faint: each step), dots the held-out accuracy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -130,8 +130,8 @@ def figure(w: pd.DataFrame, path: Path) -> None:
             if obj not in w.index.get_level_values(0):
                 continue
             d = w.loc[obj]
-            if m1 in d:
-                y = d[m1]
+            if m1 in d:  # window metrics exist every spg-th step: roll over the steps that have one
+                y = d[m1].dropna()
                 ax.plot(y.index, y, color=c, alpha=0.2, lw=0.8)
                 ax.plot(y.index, y.rolling(5, min_periods=1).mean(), color=c, label=OBJECTIVES[obj])
             if m2 and m2 in d:
