@@ -12,6 +12,7 @@ holds every committed page equal to its rendering.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from gradlab.stats import paired_interval
 
 SEED_KEYS = ["experiment", "task", "layout", "matched", "objective"]
 PAIRED = ("heldout_acc", "train_acc_last5", "heldout_sampled")
-BLOCK = re.compile(r"<!-- data:([\w\-:/.\[\]=]+) -->([^<]*)<!-- /data -->")  # body: no markup
+BLOCK = re.compile(r"<!-- data:([\w\-:/.\[\]=+]+) -->([^<]*)<!-- /data -->")  # body: no markup
 
 
 def _group_stats(df: pd.DataFrame, keys: list[str], cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -122,8 +123,29 @@ def tax_ratio(figures: Path, arg: str) -> str:
     return "— (zero denominator)" if tax[b] == 0 else f"{100 * tax[a] / tax[b]:.2g} %"
 
 
+def trl_cost(figures: Path, arg: str) -> str:
+    """'1.04× (0.98–1.10)': a runner's time per optimizer step over plain TRL's, the median over
+    rounds of the ratio within a round (and its range), from real_trl_cost.json ('RUNNER', or
+    'RUNNER:rss' for peak memory)."""
+    runner, _, what = arg.partition(":")
+    d = json.loads((figures / "real_trl_cost.json").read_text())
+    v = d["ratios"][runner]["peak_rss_gib" if what == "rss" else "median_step_s"]
+    med = float(np.median(v))
+    return f"{med:.2f}×" + (f" ({min(v):.2f}–{max(v):.2f})" if len(v) > 1 and what != "rss" else "")
+
+
+def real_trl(figures: Path, arg: str) -> str:
+    """'40.4 %': one cell of figures/real_trl.md's table ('METRIC:OBJECTIVE:BLOCK', block 0..),
+    from real_trl.json, formatted as the table formats it."""
+    from analyses.real_trl_figure import _fmt
+
+    metric, obj, i = arg.split(":")
+    v = json.loads((figures / "real_trl.json").read_text())["table"]["values"][metric][obj][int(i)]
+    return _fmt(float("nan") if v is None else float(v), metric)
+
+
 BLOCKS = {"gspo-tax": gspo_tax, "gspo-tax-ratio": gspo_tax_ratio, "gspo-tax-steps": gspo_tax_steps,
-          "tax-ratio": tax_ratio}
+          "tax-ratio": tax_ratio, "trl-cost": trl_cost, "real-trl": real_trl}
 
 
 def render(text: str, figures: Path) -> str:
