@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 RUNNERS = ("trl", "trl+cheap", "trl+all", "loop", "loop+all")
+TABLE_OPEN, TABLE_CLOSE = "<!-- table:real_trl_cost -->", "<!-- /table -->"
 
 
 def run_trl(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--json", default=None, help="write every step time, medians, ratios and "
                    "the provenance here (figures/real_trl_cost.json)")
-    p.add_argument("--table", default=None, help="write the markdown table here")
+    p.add_argument("--table", default=None,
+                   help="rewrite the table block of this page (figures/real_trl_cost.md)")
     p.add_argument("--_child", dest="runner", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.runner:
@@ -214,8 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         Path(a.json).write_text(json.dumps({"args": vars(a), "provenance": current(),
                                             "runs": res, **nums}, indent=1) + "\n")
-    if a.table:
-        Path(a.table).write_text(table)
+    if a.table:  # the page's <!-- table:real_trl_cost --> block (the page is made if missing)
+        page = Path(a.table)
+        text = page.read_text() if page.is_file() else TABLE_OPEN + "\n" + TABLE_CLOSE + "\n"
+        if TABLE_OPEN not in text:
+            p.error(f"--table {page}: no {TABLE_OPEN} … {TABLE_CLOSE} block")
+        head, rest = text.split(TABLE_OPEN, 1)
+        page.write_text(head + TABLE_OPEN + "\n" + table + rest[rest.index(TABLE_CLOSE):])
     return nums["medians"]
 
 
