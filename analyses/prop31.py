@@ -9,7 +9,10 @@ Runs short tandems from the shipped start (one per learning rate) and writes
                reading), kl_res_sgd (−lr·c·g_tax reading), kl_cur (this step's gradient's part
                of δ), plus tax_share, grad-clip factor, cos(δ, −g), checks
   prop31.json  fits (log–log slope, ratio quantiles) per config/objective, per step and per
-               node context; provenance (commit, threads, command) and sizes
+               node context; provenance (code hash, commit, machine, threads, command), sizes
+               and `runs`: the tandems run in this process and write no run folder, so the
+               list holds one row for the process itself (`gradlab.provenance.current()`,
+               "run": "<in-process>", reused false)
   prop31.png   (a) measured vs predicted with y = x and the fit, (b) residual's part vs KL
 
     python analyses/prop31.py            # 20 rollout steps × 3 objectives at lr 2e-4, + lr sweep
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     nodes, steps = collect(configs, a.task, size)
     steps.to_csv(out / "prop31.csv", index=False, float_format="%.6g")
     table = fits(nodes, steps)
-    meta = {"provenance": prov, "task": a.task, "size": size,
+    row = {k: prov.get(k) for k in ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")}
+    runs = [{"run": "<in-process>", **row, "reused": False}]
+    meta = {"provenance": prov, "runs": runs, "task": a.task, "size": size,
             "configs": [{"label": c, "objectives": o, "lr": lr, "rollout_steps": s}
                         for c, o, lr, s in configs],
             "node_records": len(nodes), "seconds": round(time.time() - t0), "fits": table}
