@@ -38,6 +38,7 @@ TABLE = (("reward", "reward", "mean"), ("heldout_acc", "held-out acc", "last"),
          ("drift_node_dlogp", "drift at full-group tokens", "mean"),
          ("tax_share", "‖g_tax‖/‖g‖", "mean"))
 TABLE_BLOCK = re.compile(r"(<!-- table:real_trl -->\n).*?(<!-- /table -->)", re.S)
+TIME_BLOCK = re.compile(r"(<!-- table:real_trl_time -->\n).*?(<!-- /table -->)", re.S)
 
 
 def load(runs: Path) -> tuple[pd.DataFrame, list[dict]]:
@@ -99,6 +100,29 @@ def table(w: pd.DataFrame, size: int = 20) -> tuple[str, dict]:
     lines.append("\n— : undefined at every step of the block (no token shared by the whole "
                  "group, or no gradient: a tied group).")
     return "\n".join(lines) + "\n", {"blocks": spans, "values": out}
+
+
+def times(w: pd.DataFrame) -> tuple[str, dict]:
+    """Where a step's time went, per objective: medians over steps of the step, its sampling
+    (generation steps), gradlab's window probes and the tax probe (seconds), and the tax probe's
+    share of the step (median of the per-step ratio)."""
+    out, lines = {}, ["| objective | step (s) | sampling, generation steps (s) | window probes (s) | "
+                      "tax probe (s) | tax probe / step | peak RSS (GiB) |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+    for obj in OBJECTIVES:
+        if obj not in w.index.get_level_values(0):
+            continue
+        d = w.loc[obj]
+        samp = d["time_sampling"][d["time_sampling"] > 0]
+        r = {"step": d["time_step"].median(), "sampling": samp.median(),
+             "probes": d["time_probes"].median(), "tax": d["time_tax"].median(),
+             "tax_of_step": (d["time_tax"] / d["time_step"]).median(),
+             "peak_rss_gib": d["peak_rss_gib"].max()}
+        out[obj] = {k: float(v) for k, v in r.items()}
+        lines.append(f"| {OBJECTIVES[obj]} | {r['step']:.1f} | {r['sampling']:.1f} | "
+                     f"{r['probes']:.3f} | {r['tax']:.1f} | {100 * r['tax_of_step']:.0f} % | "
+                     f"{r['peak_rss_gib']:.2f} |")
+    return "\n".join(lines) + "\n", out
 
 
 def _fmt(v: float, metric: str) -> str:
@@ -163,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     md, numbers = table(w, a.block)
     steps = {o: int(w.loc[o].index.max()) for o in OBJECTIVES if o in w.index.get_level_values(0)}
     first = {o: _first(w, o) for o in steps}
+    tmd, tnum = times(w)
     meta = {"runs": prov, "steps": steps, "first_full_group_step": first, "table": numbers,
+            "time": tnum,
             "command": "python examples/real_trl.py --objectives OBJ --steps 60 --G 8 "
                        "--prompts 2 --spg 2 --max-completion-length 128 --eval-every 10 "
                        "--eval-size 32 --tax-every 1 --save-every 5 --fewshot chat"}
@@ -172,10 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     page = out / "real_trl.md"
     if page.is_file():
         text = page.read_text()
-        if not TABLE_BLOCK.search(text):
-            raise SystemExit(f"{page}: no <!-- table:real_trl --> … <!-- /table --> block")
-        page.write_text(TABLE_BLOCK.sub(lambda m: m.group(1) + md + m.group(2), text))
-    print(md)
+        for block, body in ((TABLE_BLOCK, md), (TIME_BLOCK, tmd)):
+            if not block.search(text):
+                raise SystemExit(f"{page}: no {block.pattern[1:block.pattern.index('-->') + 3]}"
+                                 " … <!-- /table --> block")
+            text = block.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+        page.write_text(text)
+    print(md + "\n" + tmd)
     print(f"wrote {out / 'real_trl.csv'}, real_trl.json, real_trl.png; steps {steps}")
     return 0
 

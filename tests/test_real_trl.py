@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct at its smallest size, resumed from its checkpoint."""
 from __future__ import annotations
 
 import csv
+import json
 import importlib.util
 import math
 import re
@@ -139,3 +140,44 @@ def test_bench_ratios_are_taken_within_each_round():
     assert nums["ratio_median"]["trl+cheap"]["median_step_s"] == pytest.approx(1.1)
     assert nums["ratios"]["trl+cheap"]["median_step_s"] == pytest.approx([1.1, 1.1, 1.0])
     assert "| trl+cheap | 22.0 | 1.10× (1.00–1.10) |" in table
+
+
+def test_study_figure_keeps_undefined_undefined(tmp_path):
+    """analyses.real_trl_figure on a recipe-shaped CSV: block means skip NaN steps, a block with
+    no defined value prints "—", the JSON is strict (null, never NaN or 0), the page's blocks are
+    rewritten and the runs carry their provenance."""
+    sys.path.insert(0, str(ROOT))
+    from analyses import real_trl_figure as rf
+    from gradlab.provenance import record
+
+    runs, figs = tmp_path / "runs", tmp_path / "figs"
+    figs.mkdir()
+    (figs / "real_trl.md").write_text("a\n<!-- table:real_trl -->\nold\n<!-- /table -->\nb\n"
+                                      "<!-- table:real_trl_time -->\n<!-- /table -->\n")
+    nan = float("nan")
+    for k, obj in enumerate(rf.OBJECTIVES):
+        (runs / obj).mkdir(parents=True)
+        record(runs / obj, 0)
+        rows = [(obj, 0, "heldout_acc", 0.5)]
+        for step in (1, 2, 3, 4):
+            rho = nan if obj == "gspo" else 0.1 * step  # GSPO: no full-group token anywhere
+            rows += [(obj, step, "reward", 0.25 * k if step % 2 else nan),
+                     (obj, step, "rho_prefix", rho), (obj, step, "nodes_prefix", 0 if obj == "gspo" else 2),
+                     (obj, step, "time_step", 10.0), (obj, step, "time_sampling", 4.0 * (step % 2)),
+                     (obj, step, "time_probes", 0.0), (obj, step, "time_tax", 1.0),
+                     (obj, step, "peak_rss_gib", 5.0)]
+        with (runs / obj / "real_trl.csv").open("w") as f:
+            f.write("objective,step,metric,value\n" + "".join(f"{a},{b},{c},{d}\n" for a, b, c, d in rows))
+    assert rf.main(["--runs", str(runs), "--figures", str(figs), "--block", "2"]) == 0
+    meta = json.loads((figs / "real_trl.json").read_text())  # strict: NaN would not parse below
+    json.loads((figs / "real_trl.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    v = meta["table"]["values"]
+    assert v["rho_prefix"]["token"] == pytest.approx([0.15, 0.35])
+    assert v["rho_prefix"]["gspo"] == [None, None] and v["has_prefix"]["gspo"] == [0.0, 0.0]
+    assert v["reward"]["dfpo"] == pytest.approx([0.5, 0.5])
+    assert meta["first_full_group_step"] == {"token": 1, "gspo": None, "dfpo": 1}
+    assert all(r["code_hash"] and r["cpu_model"] for r in meta["runs"])
+    page = (figs / "real_trl.md").read_text()
+    assert "old" not in page and "| ρ full group | GSPO | — | — |" in page
+    assert "| GSPO | 10.0 | 4.0 | 0.000 | 1.0 | 10 % | 5.00 |" in page
+    assert (figs / "real_trl.png").stat().st_size > 10_000
