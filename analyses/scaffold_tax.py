@@ -11,7 +11,8 @@ The issue's "Done when" check, over seeds: short tandems from each task's shippe
 Each run is `gradlab tandem --task T --steps 3 --tax-every 1 --objectives O --seed k` (defaults
 otherwise: 8 prompts × G = 8, 4 minibatches, eval every 10 steps and at the end on 64 held-out
 problems). Writes <out>/scaffold_tax.md, scaffold_tax.csv (task, seed, pair, objective, step,
-metric, value) and scaffold_tax.json (summary + provenance).
+metric, value) and scaffold_tax.json (summary, provenance, and `runs`: one row per tandem with
+its code hash, commit, dirty flag, machine and whether it was reused, `common.run_row`).
 
     python analyses/scaffold_tax.py            # 5 seeds × 2 tasks × 2 tandems × 3 steps (~5 min)
     python analyses/scaffold_tax.py --quick    # 1 seed, 2 steps, tiny batch: seconds, for tests
@@ -49,13 +50,14 @@ KEYS = ["shared_frac_prefix", "length", "tax_share", "tax_norm", "rho_prefix", "
         "eval_accuracy_greedy"]
 
 
-def collect(runs: Path, seeds, size: dict) -> pd.DataFrame:
-    """Train (or reuse) every (task, pair, seed) tandem; the tidy rows of KEYS."""
+def collect(runs: Path, seeds, size: dict, ledger: list | None = None) -> pd.DataFrame:
+    """Train (or reuse) every (task, pair, seed) tandem; the tidy rows of KEYS. `ledger` gets
+    one provenance row per run (`common.run_row`)."""
     parts = []
     for task in TASKS:
         for pair, objs in PAIRS.items():
             root = runs / task / pair
-            run_seeds(root, seeds, objectives=objs, task=task, **size)
+            run_seeds(root, seeds, ledger=ledger, objectives=objs, task=task, **size)
             t = load_seeds(root)
             t = t[t["metric"].isin(KEYS) & t["seed"].isin(list(seeds))]
             parts.append(t.assign(task=task, pair=pair))
@@ -155,14 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out or (runs if a.quick else FIGURES))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tidy = collect(runs, range(n), size)
+    ledger: list[dict] = []
+    tidy = collect(runs, range(n), size, ledger)
     summ = summarise(tidy)
     seconds = time.time() - t0
     md = markdown(summ, n, size, seconds)
     tidy.to_csv(out / "scaffold_tax.csv", index=False)
     (out / "scaffold_tax.md").write_text(md)
     write_meta(out / "scaffold_tax.json", prov, size=size, seeds=n, seconds=round(seconds),
-               summary=summ)
+               summary=summ, runs=ledger)
     print(md)
     return 0
 
