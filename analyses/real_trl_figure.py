@@ -85,21 +85,28 @@ def table(w: pd.DataFrame, size: int = 20) -> tuple[str, dict]:
     head = "| metric | objective | " + " | ".join(f"steps {a}–{b}" for a, b in spans) + " |"
     lines = [head, "|---|---|" + "---:|" * len(spans)]
     out: dict = {}
+    counts: dict = {}
     for metric, label, how in TABLE:
         for obj in OBJECTIVES:
             if metric not in w or obj not in w.index.get_level_values(0):
                 continue
             s = w.loc[obj, metric]
-            vals = []
+            vals, ns = [], []
             for a, b in spans:
                 part = s[(s.index >= (0 if how == "last" else a)) & (s.index <= b)].dropna()
                 v = (part.iloc[-1] if how == "last" else part.mean()) if len(part) else math.nan
                 vals.append(float(v))
+                ns.append(len(part))
             out.setdefault(metric, {})[obj] = vals
-            lines.append(f"| {label} | {OBJECTIVES[obj]} | " + " | ".join(_fmt(v, metric) for v in vals) + " |")
-    lines.append("\n— : undefined at every step of the block (no token shared by the whole "
-                 "group, or no gradient: a tied group).")
-    return "\n".join(lines) + "\n", {"blocks": spans, "values": out}
+            counts.setdefault(metric, {})[obj] = ns
+            cells = [_fmt(v, metric) + (f" ({n})" if how == "mean" and n else "")
+                     for v, n in zip(vals, ns)]
+            lines.append(f"| {label} | {OBJECTIVES[obj]} | " + " | ".join(cells) + " |")
+    lines.append("\n(n): the block's steps where the quantity is defined (reward and length: "
+                 "generation steps; shares, ρ and drift: the second step of each batch, where "
+                 "the window closes, with a gradient; the tax: steps with a gradient). — : "
+                 "undefined at every step of the block.")
+    return "\n".join(lines) + "\n", {"blocks": spans, "values": out, "counts": counts}
 
 
 def times(w: pd.DataFrame) -> tuple[str, dict]:
