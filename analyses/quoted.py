@@ -3,7 +3,7 @@
     python -m analyses.quoted            # list quoted results that match no data (exit 1 if any)
     python -m analyses.quoted --write    # rewrite the <!-- data:NAME -->…<!-- /data --> blocks
 
-Pages: README.md, figures/README.md, docs/**/*.md. Results are found by their form, so that a
+Pages: README.md, figures/README.md, figures/real_trl*.md, docs/**/*.md. Results are found by their form, so that a
 hyper-parameter or a size is never picked up:
 
   interval   "x [lo, hi]" (optionally ", p P"): one data record must give all three (and P)
@@ -69,6 +69,7 @@ class Quote:
 def pages(root: Path = ROOT) -> list[Path]:
     """The pages whose quoted results are checked."""
     return [root / "README.md", root / "figures" / "README.md",
+            root / "figures" / "real_trl.md", root / "figures" / "real_trl_cost.md",
             *sorted((root / "docs").rglob("*.md"))]
 
 

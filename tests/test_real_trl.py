@@ -201,3 +201,19 @@ def test_the_published_study_is_its_data():
     assert set(meta["steps"]) == set(rf.OBJECTIVES) and min(meta["steps"].values()) >= 60
     for r in meta["runs"]:
         assert all(r[k] for k in ("code_hash", "commit", "cpu_model", "torch", "threads")), r
+
+
+def test_the_published_cost_table_is_its_data():
+    """figures/real_trl_cost.md's table is the committed JSON's runs rendered again, and the
+    ratios it quotes are within-round ratios of those runs."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from analyses.bench_real_trl import report
+
+    d = json.loads((ROOT / "figures" / "real_trl_cost.json").read_text())
+    nums, table = report(d["runs"], argparse.Namespace(**d["args"]))
+    assert table in (ROOT / "figures" / "real_trl_cost.md").read_text()
+    for runner, ratios in d["ratio_median"].items():
+        assert nums["ratio_median"][runner] == pytest.approx(ratios), runner
+    assert d["provenance"]["code_hash"] and d["args"]["rounds"] == len(d["runs"]["trl"]) >= 2
