@@ -144,8 +144,17 @@ def real_trl(figures: Path, arg: str) -> str:
     return _fmt(float("nan") if v is None else float(v), metric)
 
 
+def real_trl_grad(figures: Path, arg: str) -> str:
+    """'8 of its 30': optimizer steps with a gradient among an objective's on- or off-policy
+    steps, from real_trl.json ('OBJECTIVE:on_policy' or 'OBJECTIVE:off_policy')."""
+    obj, kind = arg.split(":")
+    g = json.loads((figures / "real_trl.json").read_text())["gradient_steps"][obj]
+    return f"{g[kind]} of {g[kind + '_steps']}"
+
+
 BLOCKS = {"gspo-tax": gspo_tax, "gspo-tax-ratio": gspo_tax_ratio, "gspo-tax-steps": gspo_tax_steps,
-          "tax-ratio": tax_ratio, "trl-cost": trl_cost, "real-trl": real_trl}
+          "tax-ratio": tax_ratio, "trl-cost": trl_cost, "real-trl": real_trl,
+          "real-trl-grad": real_trl_grad}
 
 
 def render(text: str, figures: Path) -> str:

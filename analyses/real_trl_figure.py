@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     first = {o: _first(w, o) for o in steps}
     tmd, tnum = times(w)
     meta = {"runs": prov, "steps": steps, "first_full_group_step": first, "table": numbers,
-            "time": tnum,
+            "time": tnum, "gradient_steps": {o: gradient_steps(w, o) for o in steps},
             "command": "python examples/real_trl.py --objectives OBJ --steps 60 --G 8 "
                        "--prompts 2 --spg 2 --max-completion-length 128 --eval-every 10 "
                        "--eval-size 32 --tax-every 1 --save-every 5 --fewshot chat"}
@@ -214,6 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     print(md + "\n" + tmd)
     print(f"wrote {out / 'real_trl.csv'}, real_trl.json, real_trl.png; steps {steps}")
     return 0
+
+
+def gradient_steps(w: pd.DataFrame, obj: str) -> dict:
+    """Optimizer steps with a gradient (tax share defined: g ≠ 0) among the first step of each
+    generation batch (odd steps: on-policy) and the second (even: off-policy), with the counts."""
+    d = w.loc[obj]
+    d = d[d.index > 0]
+    out = {}
+    for name, part in (("on_policy", d[d.index % 2 == 1]), ("off_policy", d[d.index % 2 == 0])):
+        out[name] = int(part["tax_share"].notna().sum()) if "tax_share" in part else 0
+        out[name + "_steps"] = len(part)
+    return out
 
 
 def _first(w: pd.DataFrame, obj: str) -> int | None:
