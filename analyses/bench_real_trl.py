@@ -36,9 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(1, str(ROOT))  # analyses.quoted_data
 
 RUNNERS = ("trl", "trl+cheap", "trl+all", "loop", "loop+all")
-TABLE_OPEN, TABLE_CLOSE = "<!-- table:real_trl_cost -->", "<!-- /table -->"
 
 
 def run_trl(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
@@ -217,12 +217,15 @@ def main(argv: list[str] | None = None) -> dict:
         Path(a.json).write_text(json.dumps({"args": vars(a), "provenance": current(),
                                             "runs": res, **nums}, indent=1) + "\n")
     if a.table:  # the page's <!-- table:real_trl_cost --> block (the page is made if missing)
+        from analyses.quoted_data import replace_table
+
         page = Path(a.table)
-        text = page.read_text() if page.is_file() else TABLE_OPEN + "\n" + TABLE_CLOSE + "\n"
-        if TABLE_OPEN not in text:
-            p.error(f"--table {page}: no {TABLE_OPEN} … {TABLE_CLOSE} block")
-        head, rest = text.split(TABLE_OPEN, 1)
-        page.write_text(head + TABLE_OPEN + "\n" + table + rest[rest.index(TABLE_CLOSE):])
+        text = (page.read_text() if page.is_file()
+                else "<!-- table:real_trl_cost -->\n<!-- /table -->\n")
+        try:
+            page.write_text(replace_table(text, "real_trl_cost", table))
+        except ValueError as e:
+            p.error(f"--table {page}: {e}")
     return nums["medians"]
 
 

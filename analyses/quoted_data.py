@@ -157,6 +157,16 @@ BLOCKS = {"gspo-tax": gspo_tax, "gspo-tax-ratio": gspo_tax_ratio, "gspo-tax-step
           "real-trl-grad": real_trl_grad}
 
 
+def replace_table(text: str, name: str, body: str) -> str:
+    """`text` with the body of its `<!-- table:NAME -->` … `<!-- /table -->` block replaced by
+    `body` (a table a script rewrites from its data); a page without the block is an error
+    naming it."""
+    block = re.compile(rf"(<!-- table:{re.escape(name)} -->\n).*?(<!-- /table -->)", re.S)
+    if not block.search(text):
+        raise ValueError(f"no <!-- table:{name} --> … <!-- /table --> block")
+    return block.sub(lambda m: m.group(1) + body + m.group(2), text)
+
+
 def render(text: str, figures: Path) -> str:
     """`text` with every data block rewritten from the data under `figures`; an unknown block
     name is an error naming it."""

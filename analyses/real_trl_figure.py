@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -25,6 +24,8 @@ import pandas as pd
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analyses.quoted_data import replace_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
@@ -37,8 +38,6 @@ TABLE = (("reward", "reward", "mean"), ("heldout_acc", "held-out acc", "last"),
          ("rho_prefix", "ρ full group", "mean"), ("rho_trie", "ρ trie", "mean"),
          ("drift_node_dlogp", "drift at full-group tokens", "mean"),
          ("tax_share", "‖g_tax‖/‖g‖", "mean"))
-TABLE_BLOCK = re.compile(r"(<!-- table:real_trl -->\n).*?(<!-- /table -->)", re.S)
-TIME_BLOCK = re.compile(r"(<!-- table:real_trl_time -->\n).*?(<!-- /table -->)", re.S)
 
 
 def load(runs: Path) -> tuple[pd.DataFrame, list[dict]]:
@@ -205,11 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     page = out / "real_trl.md"
     if page.is_file():
         text = page.read_text()
-        for block, body in ((TABLE_BLOCK, md), (TIME_BLOCK, tmd)):
-            if not block.search(text):
-                raise SystemExit(f"{page}: no {block.pattern[1:block.pattern.index('-->') + 3]}"
-                                 " … <!-- /table --> block")
-            text = block.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+        try:
+            text = replace_table(replace_table(text, "real_trl", md), "real_trl_time", tmd)
+        except ValueError as e:
+            raise SystemExit(f"{page}: {e}") from None
         page.write_text(text)
     print(md + "\n" + tmd)
     print(f"wrote {out / 'real_trl.csv'}, real_trl.json, real_trl.png; steps {steps}")
@@ -218,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def gradient_steps(w: pd.DataFrame, obj: str) -> dict:
     """Optimizer steps with a gradient (tax share defined: g ≠ 0) among the first step of each
-    generation batch (odd steps: on-policy) and the second (even: off-policy), with the counts."""
+    generation batch (it sampled: on-policy) and the later ones (off-policy), with the counts."""
     d = w.loc[obj]
     d = d[d.index > 0]
+    sampled = d["time_sampling"] > 0
     out = {}
-    for name, part in (("on_policy", d[d.index % 2 == 1]), ("off_policy", d[d.index % 2 == 0])):
+    for name, part in (("on_policy", d[sampled]), ("off_policy", d[~sampled])):
         out[name] = int(part["tax_share"].notna().sum()) if "tax_share" in part else 0
         out[name + "_steps"] = len(part)
     return out
