@@ -5,7 +5,10 @@ At a fixed policy and a fixed set of 8 prompts, K rollout batches (8 prompts × 
 responses) give each objective's policy gradient on the same samples; R further batches give
 the reference gradient. Writes figures/variance.csv (the tidy table), variance.png and
 variance.md (K, R, the noise of every objective, the ratios IBPO/GRPO and IBPO/GSPO with their
-paired 95 % bootstrap intervals, which objectives coincide, and the command).
+paired 95 % bootstrap intervals, which objectives coincide, and the command) and variance.json
+(sizes, the provenance of the measuring process, and `runs`: the batches are sampled and scored
+in this process, which writes no run folder, so the list holds one row for the process itself,
+`gradlab.provenance.current()` with "run": "<in-process>" and reused false).
 
     OMP_NUM_THREADS=1 python analyses/variance.py           # K = 48, R = 240 (~6 min CPU)
     python analyses/variance.py --redraw                      # figure and table from the CSV
@@ -116,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                                        threads=1, progress=not a.quick, rollout=a.rollout, **size)
                       for t in TASKS], ignore_index=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"K": K, "reference_batches": R, "rollout": a.rollout, **size, **prov}
+    row = {k: prov.get(k) for k in ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")}
+    meta = {"K": K, "reference_batches": R, "rollout": a.rollout, **size, **prov,
+            "runs": [{"run": "<in-process>", **row, "reused": False}]}
     tidy.to_csv(out.with_suffix(".csv"), index=False)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     write(tidy, out, meta)
