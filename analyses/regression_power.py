@@ -15,7 +15,8 @@ folder outside the checkout, so the copy's own code hash is what provenance reco
 
 Writes figures/regression_power.md (change × check → caught / missed and what named it) and
 figures/regression_power.json (every command's exit code and findings, with provenance: code
-hash, commit, CPU, torch, threads).
+hash, commit, CPU, torch, threads; and `runs`, one provenance row per run folder the study
+trained, where each copy with an injected change carries its own code hash).
 
 Separately, `--shipped RUN ...` holds finished main-job runs (`gradlab reproduce --seed S`, made
 here) to the shipped reference exactly as `gradlab reproduce --check` does, each run as its own
@@ -205,7 +206,22 @@ def study(tmp: Path, names: list[str], threads2: int, keep: Path) -> dict:
                              "--threads", "2", "--out", "runs/unmodified-t2"])
         results["unmodified_threads2"] = {"reproduce_check": a}
         print(f"unmodified at 2 threads: exit {a['rc']} ({a['seconds']} s)", flush=True)
-    return results
+    return results, trained_runs(work / "runs")
+
+
+def trained_runs(root: Path) -> list[dict]:
+    """One provenance row per run folder the study trained (the reference's seeds, each checked
+    copy's seed 0). A copy with an injected change has its own code hash, by design."""
+    from gradlab.provenance import git_state, summary
+
+    git = git_state()  # the copies sit outside git: their commit is the checkout they copy
+    rows = []
+    for d in sorted(root.iterdir()):
+        if (d / "provenance.json").is_file():
+            change = d.name.split("-seed")[0]
+            rows.append({**summary(d, False), "run": d.name, **git,
+                         "injected": change if change in CHANGES else None})
+    return rows
 
 
 def markdown(results: dict, prov: dict, seconds: float) -> str:
@@ -319,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         return 0
     with tempfile.TemporaryDirectory(prefix="regression_power") as tmp:
-        results = study(Path(tmp), a.only or list(CHANGES), a.threads2_seeds,
-                        Path(a.out) / "regression_power.partial.json")
+        results, runs = study(Path(tmp), a.only or list(CHANGES), a.threads2_seeds,
+                              Path(a.out) / "regression_power.partial.json")
     seconds = time.time() - t0
     md = markdown(results, prov, seconds)
     out = Path(a.out)
@@ -329,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         {"provenance": prov, "seconds": round(seconds), "size": SIZE,
          "changes": {k: {"what": v[0], "file": f"gradlab/{v[1]}", "text": v[2],
                          "replacement": v[3]} for k, v in CHANGES.items()},
-         "results": results}, indent=1))
+         "results": results, "runs": runs}, indent=1))
     (out / "regression_power.partial.json").unlink(missing_ok=True)
     print(md)
     return 0
