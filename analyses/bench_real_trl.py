@@ -212,10 +212,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  round {r} {name}: {res[name][-1]}", file=sys.stderr, flush=True)
     nums, table = report(res, a)
     if a.json:
+        from analyses.common import in_process_run
         from gradlab.provenance import current
 
-        Path(a.json).write_text(json.dumps({"args": vars(a), "provenance": current(),
-                                            "runs": res, **nums}, indent=1) + "\n")
+        prov = current()  # every child process runs this checkout's code
+        what = f"<{sum(map(len, res.values()))} child processes: one per runner and round>"
+        Path(a.json).write_text(json.dumps({"args": vars(a), "provenance": prov, "runs": res,
+                                            "run_provenance": [in_process_run(prov, what)],
+                                            **nums}, indent=1) + "\n")
     if a.table:  # the page's <!-- table:real_trl_cost --> block (the page is made if missing)
         from analyses.quoted_data import replace_table
 

@@ -190,6 +190,13 @@ def provenance(script: str, argv: list[str] | None) -> dict:
     return {**current(), "command": " ".join(["python", f"analyses/{script}", *args])}
 
 
+def in_process_run(prov: dict, what: str = "<in-process>") -> dict:
+    """The provenance row of a figure measured in the analysing process itself (no run folder):
+    the process's code hash, commit, dirty flag, machine, and reused false."""
+    keys = ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")
+    return {"run": what, **{k: prov.get(k) for k in keys}, "reused": False}
+
+
 def stamp(prov: dict) -> str:
     """One line for a table's footnote: command, code hash, commit, CPU, torch, threads."""
     commit = (prov.get("commit") or "no git")[:10] + (" + uncommitted" if prov.get("dirty") else "")

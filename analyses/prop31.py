@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 import pandas as pd
 
-from analyses.common import FIGURES, provenance, set_threads
+from analyses.common import FIGURES, in_process_run, provenance, set_threads
 from gradlab import viz as plots
 from gradlab.loop.config import RunConfig
 from gradlab.loop.recipes.prop31 import prop31_tandem
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes, steps = collect(configs, a.task, size)
     steps.to_csv(out / "prop31.csv", index=False, float_format="%.6g")
     table = fits(nodes, steps)
-    row = {k: prov.get(k) for k in ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")}
-    runs = [{"run": "<in-process>", **row, "reused": False}]
+    runs = [in_process_run(prov)]
     meta = {"provenance": prov, "runs": runs, "task": a.task, "size": size,
             "configs": [{"label": c, "objectives": o, "lr": lr, "rollout_steps": s}
                         for c, o, lr, s in configs],

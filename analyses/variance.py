@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 import pandas as pd
 
-from analyses.common import FIGURES, provenance, set_threads, stamp
+from analyses.common import FIGURES, in_process_run, provenance, set_threads, stamp
 from gradlab.loop.recipes.variance import DEFAULT_OBJECTIVES, measure_variance
 from gradlab.viz.curves import save
 from gradlab.viz.variance import summary_table, variance_figure
@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                                        threads=1, progress=not a.quick, rollout=a.rollout, **size)
                       for t in TASKS], ignore_index=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    row = {k: prov.get(k) for k in ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")}
     meta = {"K": K, "reference_batches": R, "rollout": a.rollout, **size, **prov,
-            "runs": [{"run": "<in-process>", **row, "reused": False}]}
+            "runs": [in_process_run(prov)]}
     tidy.to_csv(out.with_suffix(".csv"), index=False)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     write(tidy, out, meta)
