@@ -284,6 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def unrecorded_runs(seeds_df: pd.DataFrame, made_by: dict,
+                    root: str = "runs/tree_tandem") -> list[dict]:
+    """Provenance rows for runs made before runs recorded their code: one per (task, layout,
+    seed) of `seeds_df`, with what `made_by` (the commit and command that trained them) knows;
+    code hash and CPU are None (unrecorded), never guessed."""
+    keys = seeds_df[["task", "layout", "seed"]].drop_duplicates().sort_values(["task", "layout", "seed"])
+    return [{"run": f"{root}/{t}/{lay}/seed{k}", "code_hash": None, "commit": made_by.get("commit"),
+             "dirty": made_by.get("dirty"), "cpu_model": None, "torch": made_by.get("torch"),
+             "threads": made_by.get("threads"), "reused": None}
+            for t, lay, k in keys.itertuples(index=False)]
+
+
 def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, prov: dict,
                   ledger: list, seconds: float, a) -> None:
     """NAME.{md,csv,json,png}, NAME_seeds.csv and the comparisons.csv rows (NAME: --name)."""
@@ -313,6 +325,8 @@ def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, prov: d
     if a.from_csv and old_meta.exists():
         meta = json.loads(old_meta.read_text())
         made_by = meta.get("runs_made_by") or meta.get("provenance")
+    if a.from_csv and made_by and not ledger:
+        ledger = unrecorded_runs(seeds_df, made_by)
     write_meta(out / f"{name}.json", prov, seeds=n_seeds, seconds=round(seconds),
                layouts=LAYOUTS, primary=PRIMARY, runs=ledger,
                source=a.from_csv or str(a.runs or "runs/tree_tandem"), runs_made_by=made_by)
