@@ -8,7 +8,16 @@ train the same configuration before and after, then
     python analyses/same_runs.py RUN_BEFORE RUN_AFTER
 
 prints what matched and every difference, and exits 1 when anything differs. Bitwise equality
-holds only on the same CPU model, torch build and thread count (gradlab/provenance.py).
+holds only on the same CPU model, torch build and thread count (gradlab/provenance.py). A config
+key that only the newer run has is allowed when its value is `RunConfig`'s default (an option the
+older code did not have, left off); the output names each one.
+
+    python analyses/same_runs.py RUN_BEFORE RUN_AFTER --record figures/ablations.json
+
+also records the check in each figure JSON's `same_runs` list (the before run's code hash, the
+after run's, the run, identical or not, what matched), which `python -m analyses.provenance`
+prints beside the figure's runs by that code. `--outputs OLD NEW` compares two output files
+byte for byte instead (a figure measured in-process, with no run folder).
 """
 
 from __future__ import annotations
@@ -25,11 +34,23 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _new_defaults(ca: dict, cb: dict) -> dict:
+    """Config keys only the newer run b has, whose value is RunConfig's default: {key: value}."""
+    from dataclasses import fields
+
+    from gradlab.loop.config import RunConfig
+
+    default = {f.name: f.default for f in fields(RunConfig)}
+    return {k: cb[k] for k in sorted(set(cb) - set(ca)) if k in default and cb[k] == default[k]}
+
+
 def compare(a: Path, b: Path) -> tuple[dict, list[str]]:
-    """(counts of what matched, differences as lines) between run folders a and b."""
+    """(counts of what matched, differences as lines) between run folders a and b; counts
+    holds "new options": the config keys allowed by `_new_defaults`."""
     diffs, counts = [], {"metric values": 0, "files": 0}
     ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
-    for k in sorted((set(ca) | set(cb)) - ALLOWED_CONFIG):
+    counts["new options"] = _new_defaults(ca, cb)
+    for k in sorted((set(ca) | set(cb)) - ALLOWED_CONFIG - set(counts["new options"])):
         if ca.get(k) != cb.get(k):
             diffs.append(f"config.json: {k} {ca.get(k)!r} vs {cb.get(k)!r}")
     ma, mb = _jsonl(a / "metrics.jsonl"), _jsonl(b / "metrics.jsonl")
@@ -57,23 +78,63 @@ def compare(a: Path, b: Path) -> tuple[dict, list[str]]:
     return counts, diffs
 
 
+def _code(run: Path) -> str | None:
+    from gradlab.provenance import summary
+
+    return summary(run, False)["code_hash"]
+
+
+def record(figure: Path, entry: dict) -> None:
+    """Add (or replace, same code hashes and run) a check in a figure JSON's `same_runs`."""
+    meta = json.loads(figure.read_text())
+    keep = [p for p in meta.get("same_runs", []) if (p.get("code_hash"), p.get("against_code_hash"),
+            p.get("run")) != (entry["code_hash"], entry["against_code_hash"], entry["run"])]
+    meta["same_runs"] = keep + [entry]
+    figure.write_text(json.dumps(meta, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("a", type=Path)
-    p.add_argument("b", type=Path)
+    p.add_argument("a", type=Path, help="the run (or, with --outputs, the file) of the older code")
+    p.add_argument("b", type=Path, help="the same configuration by the newer code")
     p.add_argument("--show", type=int, default=20, help="differences printed at most")
+    p.add_argument("--outputs", action="store_true",
+                   help="a and b are output files (a figure made in-process): compare bytes")
+    p.add_argument("--record", nargs="+", type=Path, metavar="FIGURE_JSON", default=[],
+                   help="record the check in these figure JSONs' same_runs lists")
+    p.add_argument("--codes", nargs=2, metavar=("OLD", "NEW"),
+                   help="the two code hashes (needed with --outputs; read from the runs otherwise)")
+    p.add_argument("--label", help="the run's name in the record (default: a's folder name)")
     args = p.parse_args(argv)
-    for run in (args.a, args.b):
-        if not (run / "metrics.jsonl").exists():
-            p.error(f"{run}: not a run folder (no metrics.jsonl)")
-    counts, diffs = compare(args.a, args.b)
-    print(f"{counts['metric values']} metric values (timings excluded) and {counts['files']} "
-          f"checkpoint, trace and sample files identical")
+    if args.outputs:
+        if not args.codes and args.record:
+            p.error("--outputs --record: give --codes OLD NEW")
+        same = args.a.read_bytes() == args.b.read_bytes()
+        detail = f"{args.a.name}: {args.a.stat().st_size:,} bytes " + ("identical" if same else "differ")
+        diffs = [] if same else [detail]
+    else:
+        for run in (args.a, args.b):
+            if not (run / "metrics.jsonl").exists():
+                p.error(f"{run}: not a run folder (no metrics.jsonl)")
+        counts, diffs = compare(args.a, args.b)
+        detail = (f"{counts['metric values']:,} metric values and {counts['files']} checkpoint, "
+                  "trace and sample files identical")
+        if counts["new options"]:
+            detail += ("; the newer config adds " + ", ".join(f"{k}={v!r}" for k, v in
+                       counts["new options"].items()) + " (options the older code did not have, "
+                       "at their defaults)")
+    print(detail)
     if diffs:
         print(f"{len(diffs)} differences:\n" + "\n".join(diffs[:args.show]))
-        return 1
-    print("the same numbers")
-    return 0
+    else:
+        print("the same numbers")
+    old, new = args.codes or (_code(args.a), _code(args.b))
+    for fig in args.record:
+        record(fig, {"code_hash": old, "against_code_hash": new,
+                     "run": args.label or f"{args.a.parent.name}/{args.a.name}",
+                     "identical": not diffs, "detail": detail if not diffs else
+                     f"{len(diffs)} differences, first: {diffs[0]}"})
+    return 1 if diffs else 0
 
 
 if __name__ == "__main__":

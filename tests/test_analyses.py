@@ -440,6 +440,47 @@ def test_same_runs_reports_identical_and_differing_runs(tmp_path, capsys):
     assert f"only in {tmp_path / 'a'}: traces" in capsys.readouterr().out
 
 
+def test_same_runs_records_its_check_and_allows_only_new_options_at_default(tmp_path, capsys):
+    """`--record` writes the check into a figure JSON, which `analyses.provenance` prints; a
+    config key only the newer run has passes when it is RunConfig's default and fails when not;
+    `--outputs` compares two files byte for byte."""
+    import json
+    from dataclasses import fields
+
+    from analyses import provenance, same_runs
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.train import train
+
+    kw = dict(objectives=["grpo"], steps=1, prompts=2, G=4, minibatches=1, progress=False)
+    for name in ("a", "b"):
+        train(RunConfig(out=str(tmp_path / name), seed=0, **kw))
+    cfg_a = json.loads((tmp_path / "a" / "config.json").read_text())
+    default = {f.name: f.default for f in fields(RunConfig)}
+    key = next(k for k, v in cfg_a.items() if k in default and v == default[k] and k != "out")
+    (tmp_path / "a" / "config.json").write_text(json.dumps({k: v for k, v in cfg_a.items() if k != key}))
+    fig = tmp_path / "figure.json"
+    fig.write_text(json.dumps({"runs": [{"run": "x", "code_hash": "old0"}]}))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--record", str(fig),
+                           "--label", "x/seed0"]) == 0
+    assert f"adds {key}=" in capsys.readouterr().out
+    entry = json.loads(fig.read_text())["same_runs"][0]
+    assert entry["identical"] and entry["run"] == "x/seed0" and entry["code_hash"] == entry["against_code_hash"]
+    entry = {**entry, "code_hash": "old0"}
+    fig.write_text(json.dumps({"runs": [{"run": "x", "code_hash": "old0"}], "same_runs": [entry]}))
+    lines = provenance.describe(json.loads(fig.read_text()), "new0")
+    assert any("same_runs: identical to code" in ln and "x/seed0" in ln for ln in lines), lines
+    cfg_b = json.loads((tmp_path / "b" / "config.json").read_text())  # a non-default new key fails
+    (tmp_path / "b" / "config.json").write_text(json.dumps({**cfg_b, key: "not the default"}))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert f"config.json: {key} None vs 'not the default'" in capsys.readouterr().out
+    (tmp_path / "o1.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "o2.csv").write_text("a,b\n1,3\n")
+    assert same_runs.main([str(tmp_path / "o1.csv"), str(tmp_path / "o1.csv"), "--outputs"]) == 0
+    assert same_runs.main([str(tmp_path / "o1.csv"), str(tmp_path / "o2.csv"), "--outputs",
+                           "--record", str(fig), "--codes", "old0", "new0"]) == 1
+    assert json.loads(fig.read_text())["same_runs"][-1]["identical"] is False
+
+
 def test_provenance_is_computed_not_stored(tmp_path, capsys):
     """No figure JSON stores whether its runs are the shipped code; `python -m
     analyses.provenance` computes it: runs of code_hash() count as shipped, others are listed
