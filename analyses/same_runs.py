@@ -1,7 +1,8 @@
 """Are two run folders the same numbers? Bitwise, except what is allowed to differ.
 
 Compares every value of metrics.jsonl except wall-clock timings (`time_*`), samples.jsonl, and
-the bytes of every checkpoint and trace file; config.json except its `out`. Used to show that a
+the bytes of every checkpoint and trace file; config.json except its `out` and options that one
+file lacks (a run older than the option) while the other holds them at RunConfig's default. Used to show that a
 change of code that should not change behaviour (a refactor, a new option left off) did not:
 train the same configuration before and after, then
 
@@ -25,12 +26,27 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _defaults() -> dict:
+    """RunConfig's defaults, by option (an option one config.json lacks, because the run is
+    older than it, and the other holds at its default is not a difference)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dataclasses import MISSING, fields
+
+    from gradlab.loop.config import RunConfig
+
+    return {f.name: f.default if f.default is not MISSING else f.default_factory()
+            for f in fields(RunConfig)}
+
+
 def compare(a: Path, b: Path) -> tuple[dict, list[str]]:
     """(counts of what matched, differences as lines) between run folders a and b."""
-    diffs, counts = [], {"metric values": 0, "files": 0}
+    diffs, counts = [], {"metric values": 0, "files": 0, "new options at their default": 0}
     ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    defaults = _defaults()
     for k in sorted((set(ca) | set(cb)) - ALLOWED_CONFIG):
-        if ca.get(k) != cb.get(k):
+        if (k in ca) != (k in cb) and k in defaults and ca.get(k, cb.get(k)) == defaults[k]:
+            counts["new options at their default"] += 1  # an option added since, left off
+        elif ca.get(k) != cb.get(k):
             diffs.append(f"config.json: {k} {ca.get(k)!r} vs {cb.get(k)!r}")
     ma, mb = _jsonl(a / "metrics.jsonl"), _jsonl(b / "metrics.jsonl")
     if len(ma) != len(mb):
@@ -68,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{run}: not a run folder (no metrics.jsonl)")
     counts, diffs = compare(args.a, args.b)
     print(f"{counts['metric values']} metric values (timings excluded) and {counts['files']} "
-          f"checkpoint, trace and sample files identical")
+          f"checkpoint, trace and sample files identical"
+          + (f"; {counts['new options at their default']} option(s) only one config.json holds, "
+             "at RunConfig's default" if counts["new options at their default"] else ""))
     if diffs:
         print(f"{len(diffs)} differences:\n" + "\n".join(diffs[:args.show]))
         return 1
