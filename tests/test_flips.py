@@ -45,6 +45,11 @@ def stepped():
     return batch.replace(logps=lp.detach()), lp.detach(), after
 
 
+def _history(batch, j: int, t: int) -> list:
+    """Row j's (token, mask) pairs at positions 0..t."""
+    return [(int(batch.tokens[j, s]), bool(batch.mask[j, s])) for s in range(t + 1)]
+
+
 def _brute(before, after, batch, bins=F.CONF_BINS) -> dict:
     """Independent ledger: a Python loop over every token, node kinds from pairwise prefixes."""
     B, T = batch.tokens.shape
@@ -55,8 +60,8 @@ def _brute(before, after, batch, bins=F.CONF_BINS) -> dict:
         for t in range(T):
             if not batch.mask[i, t]:
                 continue
-            key = lambda j: [(int(batch.tokens[j, s]), bool(batch.mask[j, s])) for s in range(t + 1)]  # noqa: E731
-            sharers = [j for j in same if batch.mask[j, t] and key(j) == key(i)]
+            mine = _history(batch, i, t)
+            sharers = [j for j in same if batch.mask[j, t] and _history(batch, j, t) == mine]
             kind = "own" if len(sharers) < 2 else "group" if len(sharers) == len(same) else "subset"
             a = float(batch.advantages[i])
             sign = "pos" if a > 0 else "neg" if a < 0 else "zero"
