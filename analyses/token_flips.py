@@ -164,17 +164,24 @@ def claims(tidy: pd.DataFrame, task: str, variants: dict) -> dict:
     hi = pooled(tidy, ["kind"], conf=[c for c in CONFS if c not in LOW], **signed).set_index(
         "kind")["flipped_share"]
     out = {"boosted_share_pos": b_pos, "boosted_share_neg": b_neg,
+           "suppressed_share_pos": float(sg.loc["pos", "suppressed_share"]),
+           "suppressed_share_neg": float(sg.loc["neg", "suppressed_share"]),
            "similar_shares": abs(b_pos - b_neg) < 0.10,
            "flipped_share_all": allf,
            "flipped_share_low_conf": {k: float(v) for k, v in kc.items()},
            "flipped_share_high_conf": {k: float(v) for k, v in hi.items()}}
-    lo, hi_ = out["flipped_share_low_conf"], out["flipped_share_high_conf"]
-    g_low = lo.get("group", math.nan)
-    others = [allf, hi_.get("group", math.nan), lo.get("own", math.nan), hi_.get("own", math.nan)]
-    # supported: whole-group shared tokens at π < 0.9 flip more often than signed tokens overall,
-    # than whole-group tokens at π ≥ 0.9 and than own tokens at either confidence (where measured)
-    out["concentrates_at_shared_low_conf"] = bool(not math.isnan(g_low) and all(
-        g_low > v for v in others if not math.isnan(v)))
+    lo = out["flipped_share_low_conf"]
+    nan = math.nan
+    # two parts: shared by rows of both signs (whole-group nodes) vs own tokens, at π < 0.9;
+    # low vs high confidence, over all signed tokens
+    out["shared_over_own_low_conf"] = bool(lo.get("group", nan) > lo.get("own", nan))
+    conf = pooled(tidy, ["conf"], **signed).set_index("conf")["flipped_share"]
+    out["flipped_share_by_conf"] = {k: float(v) for k, v in conf.items()}
+    low_all = pooled(tidy, ["task"], conf=LOW, **signed)["flipped_share"].iloc[0]
+    high_all = pooled(tidy, ["task"], conf=[c for c in CONFS if c not in LOW], **signed)[
+        "flipped_share"].iloc[0]
+    out["flipped_share_low_vs_high"] = [float(low_all), float(high_all)]
+    out["low_over_high_conf"] = bool(low_all > high_all)
     out["remedies"] = {obj: {v: _verdict(r, v) for v, r in res["paired"].items()}
                        for obj, res in variants.items()}
     return out
@@ -182,10 +189,10 @@ def claims(tidy: pd.DataFrame, task: str, variants: dict) -> dict:
 
 def _verdict(r: dict, variant: str) -> str:
     """split − whole > 0 supports "keep groups whole"; balanced − whole < 0 supports balance."""
-    want = 1 if variant == "split" else -1
-    if r["lo"] * want > 0:
+    lo, hi = (r["lo"], r["hi"]) if variant == "split" else (-r["hi"], -r["lo"])
+    if lo > 0:  # the whole interval on the side the claim predicts
         return "supported"
-    if r["hi"] * want < 0:
+    if hi < 0:
         return "contradicted"
     return "not resolved (interval holds 0)"
 
@@ -194,18 +201,23 @@ def claims_lines(c: dict) -> list[str]:
     f = lambda d, k: _pct(d.get(k, math.nan))  # noqa: E731
     lines = [f"- *Positive and negative rollouts show similar boosted/suppressed shares*: A > 0 tokens "
              f"boosted {_pct(c['boosted_share_pos'])} %, A < 0 tokens boosted "
-             f"{_pct(c['boosted_share_neg'])} % → " + ("similar (within our 10 pp): supported." if
-                                                      c["similar_shares"] else "differ by ≥ 10 pp: not supported."),
+             f"{_pct(c['boosted_share_neg'])} %; suppressed {_pct(c['suppressed_share_pos'])} % and "
+             f"{_pct(c['suppressed_share_neg'])} % → "
+             + ("within our 10 pp: supported." if c["similar_shares"] else
+                "they differ by ≥ 10 pp (our threshold): not supported."),
              f"- *Flipping concentrates at identical low-confidence tokens that appear in rollouts of "
              f"both signs*: flipped share of signed tokens {_pct(c['flipped_share_all'])} % overall; "
              f"at π < 0.9: whole-group shared {f(c['flipped_share_low_conf'], 'group')} %, subset "
              f"{f(c['flipped_share_low_conf'], 'subset')} %, own {f(c['flipped_share_low_conf'], 'own')} %; "
              f"at π ≥ 0.9: whole-group {f(c['flipped_share_high_conf'], 'group')} %, own "
-             f"{f(c['flipped_share_high_conf'], 'own')} % → "
-             + ("supported (whole-group shared tokens at π < 0.9 flip more often than all signed "
-                "tokens, than whole-group ones at π ≥ 0.9 and than own ones)." if
-                c["concentrates_at_shared_low_conf"] else "not supported here (whole-group shared "
-                "tokens at π < 0.9 do not flip more often than every comparison).")]
+             f"{f(c['flipped_share_high_conf'], 'own')} %. *Identical tokens of rows of both "
+             "signs*: " + ("supported (at π < 0.9 whole-group tokens flip more often than own ones)"
+                           if c["shared_over_own_low_conf"] else "not supported (at π < 0.9 "
+                           "whole-group tokens do not flip more often than own ones)")
+             + f"; *low confidence*: all signed tokens at π < 0.9 flip {_pct(c['flipped_share_low_vs_high'][0])} %, "
+             f"at π ≥ 0.9 {_pct(c['flipped_share_low_vs_high'][1])} % → "
+             + ("supported." if c["low_over_high_conf"] else "not supported (low-confidence "
+                                                              "tokens flip less often).")]
     for obj, v in c["remedies"].items():
         lines.append(f"- *Remedies* ({obj}): keeping a prompt's rollouts in one step vs splitting: "
                      f"{v.get('split', '— (< 3 seeds)')}; polarity balance: {v.get('balanced', '— (< 3 seeds)')}.")
