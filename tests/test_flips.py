@@ -209,3 +209,27 @@ def test_study_quick_runs(tmp_path):
     assert len(meta["runs"]) == 3
     assert "## arithmetic" in (tmp_path / "token_flips.md").read_text()
     assert (tmp_path / "token_flips.png").stat().st_size > 0
+
+
+def test_same_runs_accepts_an_option_a_config_lacks_only_at_its_default(tmp_path, capsys):
+    """A run older than an option (its config.json lacks it) is the same numbers as a new run
+    that holds the option at its default; held at another value it is a difference."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT))
+    from analyses import same_runs
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.train import train
+
+    train(RunConfig(out=str(tmp_path / "a"), **{**SMALL, "steps": 1, "objectives": ["grpo"]}))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    cfg = tmp_path / "a" / "config.json"
+    data = json.loads(cfg.read_text())
+    data.pop("flips")  # as written before the option existed
+    cfg.write_text(json.dumps(data))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "1 option(s) only one config.json holds" in capsys.readouterr().out
+    other = tmp_path / "b" / "config.json"
+    other.write_text(json.dumps({**json.loads(other.read_text()), "flips": True}))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "config.json: flips None vs True" in capsys.readouterr().out
