@@ -36,11 +36,12 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _new_defaults(ca: dict, cb: dict) -> dict:
     """Config keys only the newer run b has, whose value is RunConfig's default: {key: value}."""
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
     from gradlab.loop.config import RunConfig
 
-    default = {f.name: f.default for f in fields(RunConfig)}
+    default = {f.name: f.default if f.default is not MISSING else f.default_factory()
+               for f in fields(RunConfig)}
     return {k: cb[k] for k in sorted(set(cb) - set(ca)) if k in default and cb[k] == default[k]}
 
 

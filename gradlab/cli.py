@@ -49,6 +49,12 @@ HELP = {
     "task": "'arithmetic', 'scaffold' (long shared preamble, large tax) or a .jsonl file of {prompt, answer}", "model": "local HF model folder",
     "steps": "rollout batches", "prompts": "prompts per rollout batch", "G": "responses per prompt",
     "minibatches": "optimizer steps per rollout batch", "split_groups": "let groups straddle steps",
+    "balance_polarity": "give every optimizer step its share of positive- and negative-advantage "
+                        "responses (whole groups, or single responses with --split-groups; "
+                        "docs/concepts/token-flips.md)",
+    "flips": "token-flip ledger: Δ log π of every sampled token across each optimizer step, by "
+             "advantage sign × node kind × confidence, every --tax-every rollout steps (one "
+             "extra forward when --drift is off; docs/concepts/token-flips.md)",
     "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
                    "gradient accumulation, same update; default: the whole step)",
     "fsdp": "shard the policy with FSDP2 under torchrun (≥ 2 ranks; sampling and probes "

@@ -57,6 +57,7 @@ class RunConfig:
     repair_tries: int = 4  # repair resample/local: tries per incorrect response
     minibatches: int = 4
     split_groups: bool = False
+    balance_polarity: bool = False  # each optimizer step gets its share of + and − rows (update/batches.py)
     micro_batch: int | None = None
     lr: float = 2e-4
     weight_decay: float = 0.0
@@ -80,6 +81,7 @@ class RunConfig:
     eval_size: int = 64  # held-out problems per evaluation (loop/setup/heldout.py)
     probes: bool = True
     drift: bool = True
+    flips: bool = False  # token-flip ledger on heavy steps (every tax_every; loop/update/flipstep.py)
     probe_contexts: int = 16
     progress: bool = True
     trace_every: int = 10
@@ -238,6 +240,8 @@ def _validate_values(c: RunConfig) -> None:
     if c.minibatches > units:
         what = "responses" if c.split_groups else "prompts (groups stay whole)"
         raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
+    if c.flips and c.tax_every == 0:
+        raise ConfigError("--flips is measured every --tax-every rollout steps: set --tax-every ≥ 1")
     if c.micro_batch is not None:
         if c.micro_batch < 1 or c.micro_batch % c.G:
             raise ConfigError(f"--micro-batch: {c.micro_batch} is not a positive multiple of --G "

@@ -111,7 +111,8 @@ def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
     adv = advantages(ro.rewards, ro.group, scale=cfg.adv_scale)
     L.tokens += int(D.sum(ro.response_mask.sum()))
     heavy = cfg.tax_every > 0 and step % cfg.tax_every == 0
-    parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups, cfg.prompts)
+    parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups, cfg.prompts,
+                        polarity=adv if cfg.balance_polarity else None)
     try:
         for rows in parts:
             optimizer_step(L, cfg, ro, adv, rows, acc, heavy, others, D)
@@ -146,9 +147,10 @@ def train(cfg: RunConfig, resume: bool | str = False) -> RunStore:
 def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore:
     D = setup(cfg.device, cfg.fsdp)
     resume = resolve_resume(resume, cfg.out, D)
-    if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"):
-        raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups "
-                          "and adv_scale='batch' need one process")
+    if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"
+                      or cfg.balance_polarity):
+        raise ConfigError(f"--prompts must be a multiple of the {D.world} ranks, and split_groups, "
+                          "balance_polarity and adv_scale='batch' need one process")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)  # bitwise-identical results hold at a fixed thread count
     store = RunStore(cfg.out, cfg.to_json(), resume=resume, write=D.main)

@@ -30,6 +30,8 @@ from torch import Tensor
 
 from ...core.batch import TokenBatch
 from ...core.credit import branch_tokens
+from ...probes.flips import PREFIX as FLIPS
+from ...probes.flips import flip_shares
 from ..rollouts.layouts import layout_sums
 
 TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
@@ -194,7 +196,9 @@ def _ratios(s: dict) -> dict:
       no group; clip_frac, ratio_mean, adv_nonzero_frac, shared_frac_*, entropy: no token;
       entropy_shared: no full-group token; adv_branch_share: every advantage 0;
     attr_<mechanism>: the residual Σ|d| is 0 (nothing to attribute);
-    `_layout_ratios`: per generated token, per branch point, per repair tried / kept.
+    `_layout_ratios`: per generated token, per branch point, per repair tried / kept;
+    flips/<sign>/<kind>/<conf>/*_share, dlogp_mean: no token in the cell
+      (`gradlab.probes.flips.flip_shares`; flipped_share of A = 0 tokens: always, no sign).
     The counts and sums they are made of stay in the record as numbers.
     """
     out = dict(s)
@@ -238,6 +242,8 @@ def _ratios(s: dict) -> dict:
         out["entropy"] = div(out.pop("entropy_sum"), n)
     if "entropy_shared_sum" in s:
         out["entropy_shared"] = div(out.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
+    if any(k.startswith(FLIPS) for k in s):  # token-flip ledger (runs with flips on only)
+        out.update(flip_shares(s))
     return out
 
 

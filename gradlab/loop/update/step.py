@@ -27,6 +27,7 @@ from ..runs.traces import record_trace
 from ..scale.dist import Dist, unwrap
 from ..scale.fsdp import FullGrads, gathered, is_sharded
 from .batches import micro_batches, minibatches  # noqa: F401  (the loop imports them from here)
+from .flipstep import flip_step, sampled_logps
 from .metrics import StepMetrics
 
 
@@ -79,10 +80,13 @@ def optimizer_step(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor,
     L.opt.step()
     L.opt.zero_grad(set_to_none=True)
     acc.time("update", t2)
-    if drift:
+    flips = cfg.flips and heavy
+    if drift or flips:
         t3 = time.perf_counter()
-        with _local_forwards(L, drift):
-            drift_step(L, cfg, ro, rows, trained, before, sn, heavy, acc)
+        with _local_forwards(L, drift or flips):
+            after = drift_step(L, cfg, ro, rows, trained, before, sn, heavy, acc) if drift else None
+            if flips:  # the token-flip ledger (loop/update/flipstep.py)
+                flip_step(L, cfg, ro, rows, trained, after, acc)
         acc.time("probes", t3)
 
 
@@ -307,7 +311,8 @@ def _node_chunks(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn):
 
 @torch.no_grad()
 def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenBatch,
-               before: NodesBefore | None, sn, heavy: bool, acc: StepMetrics) -> None:
+               before: NodesBefore | None, sn, heavy: bool,
+               acc: StepMetrics) -> torch.Tensor | None:
     """How the step just taken moved the policy (docs/concepts/drift.md).
 
     before: π_before at the full-group nodes of `sn` (`node_logprobs`; None when there is no
@@ -320,7 +325,8 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
     (before: the step's own log-probs `batch.logps`; after: a forward in micro-batch chunks).
     Why no KL there: it needs π_before(·) at every position, a (B, T, V) tensor kept across
     the optimizer step; memory bounded by the micro-batch matters more (`node_drift` still
-    computes it for callers that hold both distributions).
+    computes it for callers that hold both distributions). Returns that (B, T) "after" of
+    the sampled tokens on heavy steps (the token-flip ledger reuses it), else None.
     """
     raw = unwrap(L.model)
     if before is not None:
@@ -332,16 +338,10 @@ def drift_step(L, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, batch: TokenB
                 kl[kept[0]] = kl_rows(_held_rows(before.dist, kept[0]), lp[kept[1]])
         acc.add_drift(drift_sums(after - before.token_logp, kl))
     if not heavy:
-        return
-    after = torch.zeros_like(batch.logps)
-    size = cfg.micro_batch or rows.numel()
-    for c in _chunks(rows.numel(), cfg):
-        r = rows[c: c + size]
-        with amp_context(cfg):
-            after[c: c + size] = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r],
-                                             ro.response_ids[r], ro.response_mask[r],
-                                             cfg.temperature).to(after.dtype)
+        return None
+    after = sampled_logps(raw, cfg, ro, rows, batch.logps)
     acc.add_drift(divergent_dlogp(batch.logps, after, batch, sn))
+    return after
 
 
 def _idle_step(L, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,
@@ -367,5 +367,5 @@ def _idle_step(L, cfg: RunConfig, ro: Rollout, acc: StepMetrics, heavy: bool,
     acc.add_scalar("grad_norm", _clip(L, cfg))
     L.opt.step()
     L.opt.zero_grad(set_to_none=True)
-    with _local_forwards(L, drift):  # the busy ranks' `drift_step` after it
+    with _local_forwards(L, drift or (cfg.flips and heavy)):  # the busy ranks' drift, flips
         pass
