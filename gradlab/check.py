@@ -186,7 +186,8 @@ def _rhos(W, batch) -> tuple[float, float, bool, bool]:
     if not bool(torch.isfinite(W[batch.mask]).all()):  # undefined; check_invariants names it
         return float("nan"), float("nan"), False, False
     c = [cancellation(W, batch, kind) for kind in ("prefix", "trie")]
-    return c[0].ratio, c[1].ratio, c[0].mass == 0, c[1].mass == 0
+    # stored as 0 where undefined (no net gradient), with the flag that says so (`Result`)
+    return (*(0.0 if x.mass == 0 else x.ratio for x in c), c[0].mass == 0, c[1].mass == 0)
 
 
 def _hook_dev(W, closed, batch) -> float | None:

@@ -12,6 +12,8 @@ loss in CI:
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 from torch import Tensor
@@ -46,6 +48,10 @@ def assert_cancels(loss_fn: Callable[[TokenBatch], Tensor], seeds=range(5), tol:
     (float64, unequal lengths, shuffled groups; pass e.g. off_policy=0 for on-policy).
     """
     for s, rep in _reports(loss_fn, seeds, nodes, **batch_kw):
+        if math.isnan(rep.ratio):  # an assertion that cannot fail proves nothing
+            raise AssertionError(
+                f"cancellation ratio undefined on random_batch(seed={s}): no {nodes} node or "
+                "W ≡ 0 at every node (nothing to cancel); use batches with a gradient there")
         if rep.ratio > tol:
             raise AssertionError(
                 f"shared-token gradient does not cancel: cancellation ratio {rep.ratio:.3g} > "
@@ -58,7 +64,7 @@ def assert_does_not_cancel(loss_fn: Callable[[TokenBatch], Tensor], seeds=range(
                            min_ratio: float = 1e-6, nodes: str = "prefix", **batch_kw) -> None:
     """Assert ρ > min_ratio on at least one random batch (the loss is not exchangeable)."""
     reps = _reports(loss_fn, seeds, nodes, **batch_kw)
-    if max(r.ratio for _, r in reps) <= min_ratio:
+    if not any(r.ratio > min_ratio for _, r in reps):  # an undefined ρ (NaN) is no residual
         raise AssertionError(f"expected a residual, but ρ ≤ {min_ratio:g} on every seed")
 
 
@@ -67,8 +73,8 @@ def regime_report(loss_fn: Callable[[TokenBatch], Tensor], regimes=tuple(REGIMES
                   seeds=range(3), nodes: str = "prefix", **batch_kw) -> list[dict]:
     """ρ of `loss_fn` (W measured by autograd) on random batches of each regime and seed.
 
-    Returns one dict per (regime, seed): regime, seed, ratio (ρ ∈ [0, 1]), residual (Σ|d|),
-    n_nodes. `batch_kw` go to `random_batch` (they override the regime's settings).
+    Returns one dict per (regime, seed): regime, seed, ratio (ρ ∈ [0, 1], NaN where undefined:
+    no node or W ≡ 0 at the nodes), residual (Σ|d|), n_nodes. `batch_kw` go to `random_batch` (they override the regime's settings).
     """
     rows = []
     for regime in regimes:
@@ -89,10 +95,13 @@ def assert_cancels_in_regimes(loss_fn: Callable[[TokenBatch], Tensor], regimes=t
     tokens, so asymmetric clipping is caught; "on" catches per-sequence 1/|o_i| normalisation.
     The message names the failing regime and seed.
     """
-    bad = [r for r in regime_report(loss_fn, regimes, seeds, nodes, **batch_kw) if r["ratio"] > tol]
+    bad = [r for r in regime_report(loss_fn, regimes, seeds, nodes, **batch_kw)
+           if not r["ratio"] <= tol]  # NaN (undefined: nothing to cancel) fails too
     if bad:
         lines = [f"  regime {r['regime']!r} ({REGIMES[r['regime']]}), seed {r['seed']}: "
-                 f"ρ = {r['ratio']:.3g}, residual {r['residual']:.3g}" for r in bad]
+                 + (f"ρ = {r['ratio']:.3g}" if r["ratio"] == r["ratio"] else
+                    "ρ undefined (no node or W ≡ 0 there: nothing to cancel)")
+                 + f", residual {r['residual']:.3g}" for r in bad]
         raise AssertionError("shared-token gradient does not cancel:\n" + "\n".join(lines))
 
 

@@ -340,6 +340,20 @@ def test_helpers_catch_seqnorm_and_asymmetric_clipping():
     assert_does_not_cancel(objectives.get("gspo").loss)
 
 
+def test_helpers_refuse_an_undefined_ratio():
+    """A loss with no gradient at the shared tokens has nothing to cancel: ρ is NaN (undefined,
+    not 0), and assert_cancels / assert_cancels_in_regimes say so instead of passing."""
+    def no_gradient(b):
+        return 0.0 * b.logps.sum()
+
+    with pytest.raises(AssertionError, match="undefined"):
+        assert_cancels(no_gradient)
+    with pytest.raises(AssertionError, match="ρ undefined"):
+        assert_cancels_in_regimes(no_gradient, regimes=("on",), seeds=range(1))
+    with pytest.raises(AssertionError, match="expected a residual"):
+        assert_does_not_cancel(no_gradient)
+
+
 def test_assert_matches_baseline(tmp_path):
     p = tmp_path / "ci.json"
     with pytest.raises(AssertionError, match="no baseline at"):

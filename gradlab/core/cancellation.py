@@ -6,11 +6,13 @@ c*_n = k_n Σ_{S_n} A_i with k_n = Σ|W| / Σ|A| (c* = 0 exactly for a full-grou
 At full-group nodes c* = 0 and this is the paper's ρ = Σ|d| / Σ|W|. At subset (trie) nodes
 |d_n| can reach |c_n| + |c*_n| ≤ 2 Σ|W| (a residual opposite to the subset's credit), so docs/concepts/shared-nodes.md's
 normaliser would let ρ exceed 1; adding |c*_n| keeps ρ in [0, 1] (*our* reading).
-Defined results: ρ = 0 when there is no shared mass (no nodes, or W = 0 there).
+Undefined is not zero: ρ is NaN when there is no shared mass (no nodes, or W = 0 there).
 Takes any W — closed form or hook-measured — and assumes nothing about the objective.
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -61,6 +63,9 @@ def node_coefficients(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> NodeCoef
 class Cancellation:
     """ρ (`ratio`), Σ|d| (`residual`), Σ|W| at nodes (`mass`), the share of response tokens
     that sit at a node (`shared_fraction`), node count, and `.nodes`, one DataFrame row per node.
+
+    `ratio` is NaN where ρ is undefined: no node of the kind, or W ≡ 0 at its nodes (every
+    group tied), so its denominator Σ (Σ|W| + |c*|) is 0. 0 means measured and cancelled.
     """
 
     ratio: float
@@ -100,11 +105,12 @@ def cancellation(
     sn = shared_nodes(batch, nodes) if sn is None else sn
     k = node_coefficients(W, batch, sn)
     residual, mass, scale = k.d.abs().sum(), k.mass.sum(), k.scale.sum()
-    ratio = torch.where(scale > 0, residual / torch.where(scale > 0, scale, 1), 0)
+    ratio = torch.where(scale > 0, residual / torch.where(scale > 0, scale, 1), torch.nan)
     n_tok = batch.mask.sum().clamp(min=1)
     frac = (sn.node >= 0).sum() / n_tok
     r, res, m, f = torch.stack([ratio, residual, mass, frac.to(ratio.dtype)]).tolist()  # one sync
-    return Cancellation(min(max(r, 0.0), 1.0), res, m, f, sn.n, sn.kind, k)
+    r = r if math.isnan(r) else min(max(r, 0.0), 1.0)  # clamp round-off; undefined stays NaN
+    return Cancellation(r, res, m, f, sn.n, sn.kind, k)
 
 
 def attribution(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str, float]:

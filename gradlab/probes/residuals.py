@@ -44,9 +44,10 @@ def residual_sums(W: Tensor, batch: TokenBatch, sns: dict[str, SharedNodes],
 
 
 def defined_ratio(c) -> float:
-    """ρ of a `gradlab.core.cancellation.Cancellation`, or NaN where it is undefined: no node
-    of the kind (no shared token) or W ≡ 0 at its nodes (Σ scale = 0: every group tied), where
-    `Cancellation.ratio` reads 0. NaN, never 0: 0 means measured and cancelled."""
+    """ρ of a `gradlab.core.cancellation.Cancellation`, NaN where it is undefined: no node of
+    the kind (no shared token) or W ≡ 0 at its nodes (Σ scale = 0: every group tied). The same
+    as `c.ratio`, kept for callers that name the rule. NaN, never 0: 0 means measured and
+    cancelled."""
     return c.ratio if float(c.coef.scale.sum()) > 0 else math.nan
 
 
