@@ -9,7 +9,11 @@ inside each optimizer step: what one update can cancel), the share of split grou
 gradlab has the loss in closed form, the attribution of the residual to coupling / length /
 clip. Writes trl_audit.csv and trl_audit.md into --out (default figures/).
 
-    gradlab audit trl [--quick] [--out DIR] [--workload lengths|arithmetic|both]
+    gradlab audit trl [--quick] [--options] [--out DIR] [--workload lengths|arithmetic|both]
+
+--options adds the rows of `trl_audit_options` (TRL options that mask or reweight tokens, the
+emulated vLLM importance-sampling corrections, steps_per_generation) on the dapo loss; every
+run writes trl_audit.json beside the tables (command, provenance, seconds).
 """
 
 from __future__ import annotations
@@ -257,8 +261,12 @@ def _num(x: float) -> str:
 
 def to_markdown(df: pd.DataFrame, command: str) -> str:
     """One markdown table per workload: on- and off-policy side by side."""
+    from .trl_audit_options import OPTIONS_NOTE, options_markdown
+
     out = [f"<!-- made by: {command} -->", ""]
     key = ["workload", "loss_type", "level", "dfpo"]
+    opts = df[df["option"].notna()] if "option" in df else df.iloc[:0]
+    df = df[df["option"].isna()] if "option" in df else df
     for wl, d in df.groupby("workload", sort=False):
         on = d[d.policy == "on"].set_index(key[1:])
         off = d[d.policy == "off"].set_index(key[1:])
@@ -277,6 +285,8 @@ def to_markdown(df: pd.DataFrame, command: str) -> str:
                        f"{_num(b.split)} | {_num(b.get('rho_closed_form'))} | {att} | "
                        f"{_num(b.split_attr)} |")
         out.append("")
+        if len(opts[opts.workload == wl]):
+            out += options_markdown(opts[opts.workload == wl])
     out.append(
         "ρ = Σ|d|/Σ|W| (0: the shared-token gradient cancels; 1: not at all), W measured by the "
         "hook on TRL's own loss and pooled over the run's generation batches. On-policy: one "
@@ -287,17 +297,22 @@ def to_markdown(df: pd.DataFrame, command: str) -> str:
         "(gradlab's closed form, where it has the loss): share of the batch residual removed by "
         "switching each mechanism off. Token level: TRL's default ε = 0.2 (cispo ε_high = 5); "
         f"sequence level: the GSPO recipe ε = {GSPO_EPS}.")
+    if len(opts):
+        out += ["", OPTIONS_NOTE]
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     from ..cli_args import Parser  # one-line errors, as every gradlab command
+    from ..provenance import write_in_process
 
     p = Parser(prog="gradlab audit", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trainer", choices=["trl"], help="the trainer to audit")
     p.add_argument("--quick", action="store_true", help="three settings, fewer steps (CI)")
     p.add_argument("--out", default="figures", help="folder for trl_audit.csv / .md")
+    p.add_argument("--options", action="store_true", help="add the option rows (masks, "
+                   "reweighting, emulated vLLM IS corrections, steps_per_generation) on dapo")
     p.add_argument("--workload", default="both", choices=[*WORKLOADS, "both"])
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -312,15 +327,22 @@ def main(argv: list[str] | None = None) -> int:
         wls = ("lengths",)
     t0 = time.perf_counter()
     df = run_audit(a.quick, wls, a.seed)
+    if a.options:
+        from .trl_audit_options import run_options
+
+        df = pd.concat([df, pd.DataFrame(run_options(a.quick, wls, a.seed))], ignore_index=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "gradlab audit trl" + (" --quick" if a.quick else "") + (
+        " --options" if a.options else "") + (
         f" --workload {a.workload}" if a.workload != "both" else "") + (
         f" --seed {a.seed}" if a.seed else "") + f" --out {shlex.quote(a.out)}"
     df.to_csv(out / "trl_audit.csv", index=False)
     md = to_markdown(df, cmd)
     (out / "trl_audit.md").write_text(md)
     print(md)
-    print(f"wrote {out / 'trl_audit.csv'} and {out / 'trl_audit.md'} in "
-          f"{time.perf_counter() - t0:.0f} s")
+    secs = time.perf_counter() - t0
+    write_in_process(out / "trl_audit.json", cmd, secs)
+    print(f"wrote {out / 'trl_audit.csv'}, {out / 'trl_audit.md'} and trl_audit.json in "
+          f"{secs:.0f} s")
     return 0
