@@ -247,6 +247,8 @@ def verdict(on, off, base_off) -> str:
     """Whether an option breaks cancellation at full-group nodes, and by how much: on-policy ρ
     above round-off (ON_TOL), else off-policy ρ above the base's by more than OFF_TOL, else (an
     option that only changes the split) the per-step ρ."""
+    if math.isnan(on.rho):
+        return "— (no gradient left at full-group nodes on-policy: ρ undefined)"
     if on.rho > ON_TOL:
         return f"yes: ρ {_num(on.rho)} on-policy"
     if off.rho - base_off.rho > OFF_TOL:
