@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .trl import GradlabConfig, GradlabGRPOTrainer
-from .trl_audit import OFF_SPG, Workload, grpo_args, make_trainer, pool_windows, quiet
+from .trl_audit_setup import OFF_SPG, Workload, grpo_args, make_trainer, pool_windows, quiet
 
 BASE = ("dapo", "token")  # loss_type, importance_sampling_level of every option row
 NOISE_SIGMA = 0.5  # nats: the emulated sampler's log-prob error per token
@@ -215,7 +215,7 @@ def run_options(quick: bool, workloads: tuple[str, ...], seed: int = 0, log=prin
     """Rows (on- and off-policy) of every option (QUICK subset with quick) per workload."""
     import time
 
-    from .trl_audit import WORKLOADS
+    from .trl_audit_setup import WORKLOADS
 
     gens_on, gens_off = (2, 1) if quick else (6, 3)
     opts = [o for o in OPTIONS if not quick or o.name in QUICK]

@@ -33,6 +33,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .verl_audit_setup import MICRO, N_GROUPS, G, actor_config, micro_rows  # noqa: F401
+
 if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option is answered at once
     import pandas as pd
     import torch
@@ -41,30 +43,7 @@ if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option i
 
 SITUATIONS = (("on", "whole", "engine"), ("off", "whole", "engine"), ("on", "split", "engine"),
               ("on", "split", "local"), ("off", "split", "local"))
-G, N_GROUPS, MICRO = 4, 4, 6  # group size, groups per mini-batch, rows per split micro-batch
 QUICK_MODES = ("vanilla", "gspo")
-
-
-def actor_config(loss_mode: str, rollout_n: int = G):
-    """The minimal real verl ActorConfig a policy loss reads (clip ratios, policy_loss,
-    rollout_n, global_batch_info); verl's defaults otherwise (clip 0.2, clip_ratio_c 3)."""
-    from verl.workers.config import ActorConfig, PolicyLossConfig
-
-    return ActorConfig(strategy="fsdp", rollout_n=rollout_n, ppo_mini_batch_size=N_GROUPS,
-                       ppo_micro_batch_size_per_gpu=1,
-                       policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.1))
-
-
-def micro_rows(group: torch.Tensor, split: bool, seed: int) -> list[torch.Tensor]:
-    """Row indices of each micro-batch: whole = two whole groups per micro-batch; split = a
-    seeded shuffle cut every MICRO rows (groups of G straddle micro-batches)."""
-    import torch
-
-    if not split:
-        order = torch.argsort(group, stable=True)
-        return list(order.split(2 * G))
-    order = torch.randperm(group.numel(), generator=torch.Generator().manual_seed(seed))
-    return list(order.split(MICRO))
 
 
 def run_mini_batch(batch: TokenBatch, loss_mode: str, agg: str, parts: list[torch.Tensor],

@@ -120,10 +120,9 @@ def documented_weights(b: TokenBatch, opt: Option, seed: int) -> torch.Tensor:
 def run_option(b: TokenBatch, opt: Option, policy_split: bool, seed: int, helper=None):
     """verl's vanilla loss (token-mean, engine normalisers over the kept tokens) on one
     mini-batch with the option's correction; returns (W (B, T), kept mask (B, T))."""
-    import torch
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from .verl_audit import actor_config, micro_rows
+    from .verl_audit_setup import actor_config, micro_rows
 
     weights, keep = correction(b, opt, seed, helper)
     cfg = actor_config(BASE[0])
@@ -162,7 +161,7 @@ def option_row(batches: dict, opt: Option, helper=None) -> dict:
     from ..core.cancellation import cancellation
     from ..core.nodes import shared_nodes
     from ..probes.residuals import defined_ratio
-    from .verl_audit import micro_rows
+    from .verl_audit_setup import micro_rows
 
     row = {"option": opt.name, "loss_mode": BASE[0], "loss_agg_mode": BASE[1]}
     for pol, grouping in SITUATIONS:
