@@ -29,11 +29,15 @@ from __future__ import annotations
 import math
 import tempfile
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .trl import GradlabConfig, GradlabGRPOTrainer
 from .trl_audit_setup import OFF_SPG, Workload, grpo_args, make_trainer, pool_windows, quiet
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 BASE = ("dapo", "token")  # loss_type, importance_sampling_level of every option row
 NOISE_SIGMA = 0.5  # nats: the emulated sampler's log-prob error per token
@@ -235,7 +239,7 @@ def run_options(quick: bool, workloads: tuple[str, ...], seed: int = 0, log=prin
 # ----------------------------------------------------------------------------- the table
 
 
-def _num(x) -> str:
+def _num(x: float | None) -> str:
     import pandas as pd
 
     if x is None or pd.isna(x):
@@ -243,7 +247,7 @@ def _num(x) -> str:
     return "≈0" if abs(x) < ON_TOL else f"{x:.3f}"
 
 
-def verdict(on, off, base_off) -> str:
+def verdict(on: pd.Series, off: pd.Series, base_off: pd.Series) -> str:
     """Whether an option breaks cancellation at full-group nodes, and by how much: on-policy ρ
     above round-off (ON_TOL), else off-policy ρ above the base's by more than OFF_TOL, else (an
     option that only changes the split) the per-step ρ."""
@@ -258,7 +262,7 @@ def verdict(on, off, base_off) -> str:
     return "no"
 
 
-def options_markdown(d) -> list[str]:
+def options_markdown(d: pd.DataFrame) -> list[str]:
     """Markdown lines of one workload's option table (rows of `run_options`)."""
     on, off = d[d.policy == "on"].set_index("option"), d[d.policy == "off"].set_index("option")
     base = off.loc[OPTIONS[0].name]

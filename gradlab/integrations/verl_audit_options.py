@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import pandas as pd
     import torch
 
     from ..core.batch import TokenBatch
@@ -81,7 +82,8 @@ def engine_logps(b: TokenBatch, noise: str, seed: int, sigma: float = NOISE_SIGM
     return (b.old_logps + sigma * err.to(b.old_logps)) * b.mask
 
 
-def correction(b: TokenBatch, opt: Option, seed: int, helper=None):
+def correction(b: TokenBatch, opt: Option, seed: int,
+               helper=None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(IS weights (B, T) or None, kept-token mask (B, T) float) from verl's helper."""
     if helper is None:
         from verl.trainer.ppo.rollout_corr_helper import (
@@ -117,7 +119,8 @@ def documented_weights(b: TokenBatch, opt: Option, seed: int) -> torch.Tensor:
     return r
 
 
-def run_option(b: TokenBatch, opt: Option, policy_split: bool, seed: int, helper=None):
+def run_option(b: TokenBatch, opt: Option, policy_split: bool, seed: int,
+               helper=None) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vanilla loss (token-mean, engine normalisers over the kept tokens) on one
     mini-batch with the option's correction; returns (W (B, T), kept mask (B, T))."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -215,7 +218,7 @@ def run_options(batches_of: dict, quick: bool, log=print) -> list[dict]:
 # ----------------------------------------------------------------------------- the table
 
 
-def _num(x) -> str:
+def _num(x: float | None) -> str:
     import pandas as pd
 
     if x is None or pd.isna(x):
@@ -223,7 +226,7 @@ def _num(x) -> str:
     return "≈0" if abs(x) < ON_TOL else f"{x:.3f}"
 
 
-def verdict(r, base) -> str:
+def verdict(r: pd.Series, base: pd.Series) -> str:
     """Breaks cancellation at full-group nodes: on-policy ρ (whole groups) above round-off,
     else off-policy ρ above the base's by more than OFF_TOL, else no."""
     if r.rho_on_whole > ON_TOL:
@@ -233,7 +236,7 @@ def verdict(r, base) -> str:
     return "no"
 
 
-def options_markdown(d) -> list[str]:
+def options_markdown(d: pd.DataFrame) -> list[str]:
     """Markdown lines of one workload's option table."""
     d = d.set_index("option")
     base = d.loc[OPTIONS[0].name]
