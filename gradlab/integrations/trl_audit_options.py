@@ -12,7 +12,7 @@ rows of `trl_audit`, with W measured by the hook on TRL's own loss:
     scale_rewards                group / batch / none: the advantage's scale
     vLLM importance sampling     vllm_importance_sampling_correction with each
                                  vllm_importance_sampling_mode (TRL's own code path, emulated
-                                 sampler: module `EmulatedSampler`)
+                                 sampler: `OptionAuditTrainer`)
     steps_per_generation         the number of optimizer steps a generation batch is cut into
 
 vLLM cannot run here. `OptionAuditTrainer` emulates it: generation runs on the transformers path,
