@@ -93,6 +93,18 @@ def current() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def write_in_process(path: str | Path, command: str, seconds: float) -> dict:
+    """Write {command, seconds, provenance, runs} as JSON for a table measured in this process:
+    one run row "<in-process>" with its code hash, commit, dirty flag, CPU, torch, threads and
+    reused false. Returns the document."""
+    prov = current()
+    row = {"run": "<in-process>", **{k: prov.get(k) for k in (
+        "code_hash", "commit", "dirty", "cpu_model", "torch", "threads")}, "reused": False}
+    doc = {"command": command, "seconds": round(seconds, 1), "provenance": prov, "runs": [row]}
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 def record(run: str | Path, start_step: int) -> dict:
     """Append this process's segment (training from `start_step`) to run/provenance.json."""
     from .loop.faults.atomic import write_file

@@ -276,7 +276,9 @@ def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
 
         return ds, same_reward
 
-    monkeypatch.setattr(trl_audit, "dataset_and_reward", tied)
+    from gradlab.integrations import trl_audit_setup  # make_trainer's own module
+
+    monkeypatch.setattr(trl_audit_setup, "dataset_and_reward", tied)
     tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1)
     m = tr.gradlab_window.metrics
     assert m["zero_std_share"] == 1 and m["nodes_prefix"] > 0 and m["mass_prefix"] == 0

@@ -17,7 +17,11 @@ the accumulated gradient is), mean over batches. Workloads: gradlab's synthetic 
 (`gradlab.testing.random_batch`) and the shipped tiny policy's rollouts. DFPO rows
 (`gradlab_dfpo:<mode>`) need whole groups. Writes verl_audit.csv and verl_audit.md into --out.
 
-    gradlab audit verl [--quick] [--out DIR] [--seeds N]
+    gradlab audit verl [--quick] [--options] [--out DIR] [--seeds N]
+
+--options adds the rows of `verl_audit_options` (verl's rollout correction: IS weights and
+rejection sampling, against an emulated rollout engine) on vanilla / token-mean; every run
+writes verl_audit.json beside the tables (command, provenance, seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .verl_audit_setup import MICRO, N_GROUPS, G, actor_config, micro_rows  # noqa: F401
+
 if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option is answered at once
     import pandas as pd
     import torch
@@ -37,30 +43,7 @@ if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option i
 
 SITUATIONS = (("on", "whole", "engine"), ("off", "whole", "engine"), ("on", "split", "engine"),
               ("on", "split", "local"), ("off", "split", "local"))
-G, N_GROUPS, MICRO = 4, 4, 6  # group size, groups per mini-batch, rows per split micro-batch
 QUICK_MODES = ("vanilla", "gspo")
-
-
-def actor_config(loss_mode: str, rollout_n: int = G):
-    """The minimal real verl ActorConfig a policy loss reads (clip ratios, policy_loss,
-    rollout_n, global_batch_info); verl's defaults otherwise (clip 0.2, clip_ratio_c 3)."""
-    from verl.workers.config import ActorConfig, PolicyLossConfig
-
-    return ActorConfig(strategy="fsdp", rollout_n=rollout_n, ppo_mini_batch_size=N_GROUPS,
-                       ppo_micro_batch_size_per_gpu=1,
-                       policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=0.1))
-
-
-def micro_rows(group: torch.Tensor, split: bool, seed: int) -> list[torch.Tensor]:
-    """Row indices of each micro-batch: whole = two whole groups per micro-batch; split = a
-    seeded shuffle cut every MICRO rows (groups of G straddle micro-batches)."""
-    import torch
-
-    if not split:
-        order = torch.argsort(group, stable=True)
-        return list(order.split(2 * G))
-    order = torch.randperm(group.numel(), generator=torch.Generator().manual_seed(seed))
-    return list(order.split(MICRO))
 
 
 def run_mini_batch(batch: TokenBatch, loss_mode: str, agg: str, parts: list[torch.Tensor],
@@ -175,18 +158,20 @@ def audit_row(batches: dict, mode: str, agg: str) -> dict:
     return row
 
 
-def run_audit(quick: bool = False, seeds: int = 4, log=print) -> pd.DataFrame:
-    """Long table: one row per (workload, loss_mode, loss_agg_mode)."""
+def run_audit(quick: bool = False, seeds: int = 4, log=print,
+              options: bool = False) -> pd.DataFrame:
+    """Long table: one row per (workload, loss_mode, loss_agg_mode); with options, the option
+    rows of `verl_audit_options` too (column "option" set)."""
     import pandas as pd
 
     from . import verl as gv
 
     modes = list(QUICK_MODES) if quick else gv.base_losses()
     dfpo = ["gradlab_dfpo:vanilla", "gradlab_dfpo:gspo"]
-    rows = []
+    rows, every = [], {}
     for wl in (("synthetic",) if quick else tuple(WORKLOADS)):
         t0 = time.perf_counter()
-        batches = {pol: WORKLOADS[wl](seeds, pol == "off") for pol in ("on", "off")}
+        batches = every[wl] = {pol: WORKLOADS[wl](seeds, pol == "off") for pol in ("on", "off")}
         for mode in modes + dfpo:
             for agg in gv.AGG_MODES:
                 with warnings.catch_warnings():
@@ -194,6 +179,10 @@ def run_audit(quick: bool = False, seeds: int = 4, log=print) -> pd.DataFrame:
                     rows.append({"workload": wl, **audit_row(batches, mode, agg)})
         log(f"  {wl}: {len(modes) + len(dfpo)} modes × {len(gv.AGG_MODES)} aggregations in "
             f"{time.perf_counter() - t0:.1f} s")
+    if options:
+        from .verl_audit_options import run_options
+
+        rows += run_options(every, quick, log)
     return pd.DataFrame(rows)
 
 
@@ -209,6 +198,10 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
     """One markdown table per workload."""
     import pandas as pd
 
+    from .verl_audit_options import OPTIONS_NOTE, options_markdown
+
+    opts = df[df["option"].notna()] if "option" in df else df.iloc[:0]
+    df = df[df["option"].isna()] if "option" in df else df
     out = [f"<!-- made by: {command} -->", ""]
     head = ("| loss_mode | loss_agg_mode | ρ on, whole | ρ off, whole | ρ on, split "
             "| ρ on, split, local norm. | ρ off, split, local norm. | split groups "
@@ -223,6 +216,8 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
                        f"{_num(r.rho_off_whole)} | {' | '.join(split_cols)} | "
                        f"{_num(r.get('split_on_split'))} | {_num(r.get('W_dev_closed_form'))} |")
         out.append("")
+        if len(opts[opts.workload == wl]):
+            out += options_markdown(opts[opts.workload == wl])
     out.append(
         "ρ = Σ|d| / Σ(|W| + |c*|) at full-group nodes of one mini-batch (one optimizer step: W "
         f"summed over its micro-batches), mean over batches; {N_GROUPS} groups × G = {G} rows; "
@@ -234,6 +229,8 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
         "grpo token/seq/const norm, gspo ↔ gspo; DFPO rows: the base loss's W). verl defaults: "
         "clip 0.2, dual clip 3; dro_beta 0.1. clip_cov / kl_cov pick tokens with torch's global "
         "RNG, seeded per batch.")
+    if len(opts):
+        out += ["", OPTIONS_NOTE]
     if findings:
         out += ["", findings]
     return "\n".join(out) + "\n"
@@ -246,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="vanilla and gspo, synthetic only (CI)")
     p.add_argument("--out", default="figures", help="folder for verl_audit.csv / .md")
+    p.add_argument("--options", action="store_true", help="add verl's rollout correction rows "
+                   "(IS weights, rejection sampling; emulated rollout engine)")
     p.add_argument("--seeds", type=int, default=4, help="batches per situation")
     p.add_argument("--findings", default=None, help="markdown file appended under the table")
     a = p.parse_args(argv)
@@ -256,10 +255,11 @@ def main(argv: list[str] | None = None) -> int:
               "(or the --no-deps overlay of .ci/run on PYTHONPATH)")
         return 2
     t0 = time.perf_counter()
-    df = run_audit(a.quick, a.seeds)
+    df = run_audit(a.quick, a.seeds, options=a.options)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "gradlab audit verl" + (" --quick" if a.quick else "") + (
+        " --options" if a.options else "") + (
         f" --seeds {a.seeds}" if a.seeds != 4 else "") + f" --out {shlex.quote(a.out)}" + (
         f" --findings {shlex.quote(a.findings)}" if a.findings else "")
     findings = Path(a.findings).read_text() if a.findings else ""
@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     md = to_markdown(df, cmd, findings)
     (out / "verl_audit.md").write_text(md)
     print(md)
-    print(f"wrote {out / 'verl_audit.csv'} and {out / 'verl_audit.md'} in "
-          f"{time.perf_counter() - t0:.0f} s")
+    from ..provenance import write_in_process
+
+    secs = time.perf_counter() - t0
+    write_in_process(out / "verl_audit.json", cmd, secs)
+    print(f"wrote {out / 'verl_audit.csv'}, {out / 'verl_audit.md'} and verl_audit.json in "
+          f"{secs:.0f} s")
     return 0
