@@ -179,11 +179,15 @@ def _json_numbers(obj) -> np.ndarray:
 
 
 def _json_records(obj) -> np.ndarray:
-    """Every numeric [m, lo, hi] list and {x, x_lo, x_hi} dict in a JSON document."""
+    """Every numeric [m, lo, hi] list, {x, x_lo, x_hi} dict and {mean, lo, hi[, p]} dict (the
+    form of `gradlab.stats.paired_interval`) in a JSON document."""
     found = []
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
 
     def walk(o):
         if isinstance(o, dict):
+            if all(num(o.get(k)) for k in ("mean", "lo", "hi")):
+                found.append((o["mean"], o["lo"], o["hi"], o["p"] if num(o.get("p")) else np.nan))
             for k, v in o.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     lo, hi = o.get(f"{k}_lo"), o.get(f"{k}_hi")

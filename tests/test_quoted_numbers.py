@@ -95,3 +95,16 @@ def test_data_blocks_equal_their_rendering_from_data():
     assert render(stale, figures) == "<!-- data:gspo-tax:figure3 -->1.28 %<!-- /data -->"
     with pytest.raises(ValueError, match="data block 'gspo-taxx:figure3': unknown kind"):
         render("<!-- data:gspo-taxx:figure3 -->1<!-- /data -->", figures)
+
+
+def test_json_intervals_in_every_stored_form():
+    """[m, lo, hi] lists, {x, x_lo, x_hi} and paired_interval's {mean, lo, hi, p} are records;
+    a dict missing one bound is not."""
+    from analyses.quoted import _json_records
+
+    doc = {"a": [0.5, 0.4, 0.6], "b": {"acc": 0.7, "acc_lo": 0.6, "acc_hi": 0.8},
+           "c": {"paired": {"mean": -0.0143, "lo": -0.0188, "hi": -0.0098, "p": 0.0625, "n": 5}},
+           "d": {"mean": 1.0, "lo": 0.5}}
+    got = {tuple(r[:3]) for r in _json_records(doc).tolist()}
+    assert got == {(0.5, 0.4, 0.6), (0.7, 0.6, 0.8), (-0.0143, -0.0188, -0.0098)}
+    assert 0.0625 in _json_records(doc)[:, 3]  # the p-value rides along
