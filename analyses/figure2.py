@@ -200,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     plt.close(fig)
     print(summary(df).to_markdown(index=False, floatfmt=".3g"))
     for title, att in df.attrs["attribution"].items():
-        if df.attrs["rho"][title] > 1e-4:  # not float round-off
+        rho = df.attrs["rho"][title]
+        if rho != rho:  # NaN: no full-group node, or W ≡ 0 there
+            print(f"{title}: ρ undefined (no gradient at a full-group token): nothing to attribute")
+        elif rho > 1e-4:  # not float round-off
             print(f"{title}: residual Σ|d| = {att['residual']:.3g}; share removed by switching "
                   "off " + ", ".join(f"{m} {att[m]:.1%}" for m in ("coupling", "length", "clip")))
     print(f"wrote {out} and {out.with_suffix('.csv')} in {time.time() - t0:.1f} s")

@@ -15,6 +15,7 @@ micro-batches), pooled over the generation batches, and the per-step range.
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 
 import torch
@@ -40,10 +41,13 @@ def measure(loss_type: str, k: int, workload: str, gens: int, seed: int) -> dict
         res, mass = res + c.residual, mass + c.mass
         per_step.append(c.ratio)
         split.append(w.metrics["split_groups_micro"])
+    defined = [r for r in per_step if r == r]  # NaN: a step with no gradient at its nodes
     return {"loss_type": loss_type, "accumulation": k, "workload": workload,
-            "rho": res / mass if mass > 0 else 0.0, "rho_min": min(per_step),
-            "rho_max": max(per_step), "split_micro": sum(split) / len(split),
-            "steps": len(per_step)}
+            "rho": res / mass if mass > 0 else math.nan,
+            "rho_min": min(defined) if defined else math.nan,
+            "rho_max": max(defined) if defined else math.nan,
+            "split_micro": sum(split) / len(split), "steps": len(per_step),
+            "steps_defined": len(defined)}
 
 
 def main(argv: list[str] | None = None) -> int:

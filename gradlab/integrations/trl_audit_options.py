@@ -255,6 +255,8 @@ def verdict(on: pd.Series, off: pd.Series, base_off: pd.Series) -> str:
         return "— (no gradient left at full-group nodes on-policy: ρ undefined)"
     if on.rho > ON_TOL:
         return f"yes: ρ {_num(on.rho)} on-policy"
+    if math.isnan(off.rho):
+        return "— (no gradient left at full-group nodes off-policy: ρ undefined)"
     if off.rho - base_off.rho > OFF_TOL:
         return f"off-policy: ρ {_num(off.rho)} (base {_num(base_off.rho)})"
     if off.spg != base_off.spg:

@@ -173,9 +173,10 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
     r = lambda a, b: acc[a] / acc[b] if acc[b] > 0 else math.nan  # Σ|W| = 0: undefined
     out = {"rho": r("res", "mass"), "rho_trie": r("res_trie", "mass_trie"),
            "rho_step": r("res_step", "mass"), "split": sum(split) / max(len(split), 1)}
-    # Share of the per-step residual that splitting adds; 0 when there is (numerically) none.
+    # Share of the per-step residual that splitting adds; undefined (NaN, printed "—") when the
+    # per-step residual is nothing but round-off (≤ 1e-6 of the mass): nothing to attribute.
     real = acc["res_step"] > 1e-6 * acc["mass"]
-    out["split_attr"] = (acc["res_step"] - acc["res"]) / acc["res_step"] if real else 0.0
+    out["split_attr"] = (acc["res_step"] - acc["res"]) / acc["res_step"] if real else math.nan
     if objective is not None:
         out["rho_closed_form"] = r("res_cf", "mass_cf")
         out.update({f"attr_{k}": v / acc["res_cf"] if acc["res_cf"] > 0 else math.nan

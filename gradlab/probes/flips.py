@@ -87,7 +87,8 @@ def flip_ledger(before: Tensor, after: Tensor, batch: TokenBatch,
     the advantages that were trained: `objective.prepare(batch)` for token advantages).
     conf_bins: confidence edges, 0 < … < 1 inclusive of both ends. nodes: the batch's trie
     nodes (computed when None). Every cell is present (count 0 when empty); counts are long,
-    dlogp_sum float64. No host sync.
+    dlogp_sum float64. Boolean-mask indexing syncs with the host on CUDA, and float64
+    `index_add_` is not bitwise reproducible there (atomics); on the CPU it is.
     """
     B, T = batch.tokens.shape
     for name, x in (("before", before), ("after", after)):
