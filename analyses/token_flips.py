@@ -190,10 +190,11 @@ def claims(tidy: pd.DataFrame, task: str, variants: dict) -> dict:
 def _verdict(r: dict, variant: str) -> str:
     """split − whole > 0 supports "keep groups whole"; balanced − whole < 0 supports balance."""
     lo, hi = (r["lo"], r["hi"]) if variant == "split" else (-r["hi"], -r["lo"])
+    p = f", exact p {r['p']:.2g}" if "p" in r else ""
     if lo > 0:  # the whole interval on the side the claim predicts
-        return "supported"
+        return f"supported (t interval{p}; exploratory)"
     if hi < 0:
-        return "contradicted"
+        return f"the opposite (t interval{p}; exploratory)"
     return "not resolved (interval holds 0)"
 
 
