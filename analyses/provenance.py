@@ -61,11 +61,17 @@ def describe(meta: dict, shipped: str) -> list[str]:
     for r in runs:
         if _hashes(r) != {shipped}:
             others.setdefault(r.get("code_hash") or "unrecorded", []).append(r)
-    proofs = {p["code_hash"]: p for p in meta.get("same_runs", [])}
+    proofs: dict[str, list[dict]] = {}
+    for p in meta.get("same_runs", []):
+        proofs.setdefault(p["code_hash"], []).append(p)
     for h, rs in others.items():
         commits = sorted({(r.get("commit") or "?")[:7] for r in rs})
         lines.append(f"  by other code {h}: {len(rs)} runs (commit {', '.join(commits)})")
-        lines.append("    same_runs: " + (_proof(proofs[h]) if h in proofs else "not recorded"))
+        injected = sorted({r["injected"] for r in rs if r.get("injected")})
+        if injected and len(injected) == len(rs):  # a regression study's deliberately changed copy
+            lines.append(f"    injected change {', '.join(injected)}: other code by design")
+            continue
+        lines += ["    same_runs: " + _proof(q) for q in proofs.get(h, [])] or ["    same_runs: not recorded"]
     return lines
 
 

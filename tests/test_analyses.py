@@ -516,4 +516,13 @@ def test_provenance_is_computed_not_stored(tmp_path, capsys):
     assert "g.json:" in lines and f"  2 runs listed; by the shipped code ({code_hash()}): 1" in lines
     (tmp_path / "h.json").write_text(json.dumps({"provenance": {"commit": "c" * 40, "command": "x"}}))
     assert "  runs not recorded; made at commit ccccccc by `x`" in provenance.report(tmp_path)
+    # every proof of a hash is printed; a regression study's injected copies are named as such
+    proof = {"code_hash": "0123456789abcdef", "against_code_hash": code_hash(), "identical": True}
+    (tmp_path / "i.json").write_text(json.dumps({
+        "runs": [dict(other, run="r6"), dict(other, run="r7", code_hash="fedcba9876543210",
+                                              injected="lr_half")],
+        "same_runs": [dict(proof, run="p1"), dict(proof, run="p2")]}))
+    lines = provenance.describe(json.loads((tmp_path / "i.json").read_text()), code_hash())
+    assert sum("same_runs: identical" in ln for ln in lines) == 2
+    assert "    injected change lr_half: other code by design" in lines
     assert provenance.main(["--figures", str(tmp_path / "absent")]) == 2
