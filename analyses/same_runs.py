@@ -12,11 +12,12 @@ holds only on the same CPU model, torch build and thread count (gradlab/provenan
 key that only the newer run has is allowed when its value is `RunConfig`'s default (an option the
 older code did not have, left off); the output names each one.
 
-    python analyses/same_runs.py RUN_BEFORE RUN_AFTER --record figures/ablations.json
+    python analyses/same_runs.py OLD_RUN NEW_FOLDER --retrain --record figures/ablations.json
 
-also records the check in each figure JSON's `same_runs` list (the before run's code hash, the
-after run's, the run, identical or not, what matched), which `python -m analyses.provenance`
-prints beside the figure's runs by that code. `--outputs OLD NEW` compares two output files
+first trains OLD_RUN's own config.json again, with the code installed now, into NEW_FOLDER (at
+the config's thread count); `--record` writes the check into each figure JSON's `same_runs`
+list (the before run's code hash, the after run's, the run, identical or not, what matched),
+which `python -m analyses.provenance` prints beside the figure's runs by that code. `--outputs OLD NEW` compares two output files
 byte for byte instead (a figure measured in-process, with no run folder).
 """
 
@@ -85,6 +86,16 @@ def _code(run: Path) -> str | None:
     return summary(run, False)["code_hash"]
 
 
+def retrain(old: Path, new: Path) -> None:
+    """Train `old`'s configuration (its config.json, out → `new`) with the code installed now."""
+    import dataclasses
+
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.train import train
+
+    train(dataclasses.replace(RunConfig.from_json(old / "config.json"), out=str(new)))
+
+
 def record(figure: Path, entry: dict) -> None:
     """Add (or replace, same code hashes and run) a check in a figure JSON's `same_runs`."""
     meta = json.loads(figure.read_text())
@@ -106,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codes", nargs=2, metavar=("OLD", "NEW"),
                    help="the two code hashes (needed with --outputs; read from the runs otherwise)")
     p.add_argument("--label", help="the run's name in the record (default: a's folder name)")
+    p.add_argument("--retrain", action="store_true",
+                   help="first train a's config.json with the code installed now into b (a new folder)")
     args = p.parse_args(argv)
+    if args.retrain:
+        if args.outputs or args.b.exists():
+            p.error(f"--retrain: {args.b} must be a new folder (and not with --outputs)")
+        retrain(args.a, args.b)
     if args.outputs:
         if not args.codes and args.record:
             p.error("--outputs --record: give --codes OLD NEW")

@@ -462,6 +462,10 @@ def test_same_runs_records_its_check_and_allows_only_new_options_at_default(tmp_
     (tmp_path / "a" / "config.json").write_text(json.dumps({k: v for k, v in cfg_a.items() if k != key}))
     fig = tmp_path / "figure.json"
     fig.write_text(json.dumps({"runs": [{"run": "x", "code_hash": "old0"}]}))
+    assert same_runs.main([str(tmp_path / "b"), str(tmp_path / "b2"), "--retrain"]) == 0  # b again
+    assert "the same numbers" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # --retrain never trains into an existing folder
+        same_runs.main([str(tmp_path / "b"), str(tmp_path / "b2"), "--retrain"])
     assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--record", str(fig),
                            "--label", "x/seed0"]) == 0
     assert f"adds {key}=" in capsys.readouterr().out
