@@ -17,7 +17,7 @@ from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.train import Learner
 from gradlab.loop.update.metrics import StepMetrics
-from gradlab.loop.update.step import drift_step, node_logprobs
+from gradlab.loop.update.forwards import node_logprobs
 from gradlab.probes.drift import KL_BUDGET, kl_nodes, kl_rows
 from tolerance import assert_close_f32
 
@@ -28,6 +28,23 @@ def test_kl_nodes_all_or_an_evenly_spaced_sample():
     assert kl_nodes(10, 10, cap=4).tolist() == [0, 2, 5, 7]  # floor(k · 10 / 4)
     assert kl_nodes(1000, 151_936).numel() == KL_BUDGET // 151_936 == 110
     assert torch.equal(kl_nodes(50, 151_936), torch.arange(50))
+
+
+def run_drift(after_model, cfg, ro, rows, b, held, sn, heavy: bool) -> dict:
+    """The loop's drift instruments (node drift; + divergent on heavy steps) on a step whose
+    weights moved to `after_model`, π_before at the nodes `held`: the finished metrics."""
+    from gradlab.instruments import DivergentDrift, Drift
+    from gradlab.loop.scale.dist import Dist
+    from gradlab.loop.update.metrics import StepMetrics
+    from gradlab.loop.update.view import StepView
+
+    view = StepView(after_model, cfg, ro, rows, Dist(), batch=b, trained_batch=b,
+                    _nodes={"prefix": sn}, _before=held)
+    acc = StepMetrics()
+    for inst in [Drift()] + ([DivergentDrift()] if heavy else []):
+        acc.declare(inst.quantities())
+        acc.record(inst.after(view))
+    return acc.finish()
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +95,7 @@ def test_capped_drift_equals_brute_force_at_its_nodes(step, cap):
         cfg = RunConfig(progress=False, G=4, micro_batch=mb, temperature=0.8)
         held = node_logprobs(model, cfg, ro, rows, sn, cap=cap)
         assert torch.equal(held.kept, kept) and held.dist.shape == (kept.numel(), full_b.shape[-1])
-        acc = StepMetrics()
-        drift_step(Learner("x", None, after_model, None, None), cfg, ro, rows, b, held, sn,
-                   False, acc)
-        out = acc.finish()
+        out = run_drift(after_model, cfg, ro, rows, b, held, sn, heavy=False)
         assert out["drift_node_count"] == sn.n and out["drift_node_kl_count"] == kept.numel()
         assert out["drift_node_kl_mean"] == pytest.approx(float(ref_kl), rel=1e-5, abs=1e-9)
         assert out["drift_node_dlogp_mean"] == pytest.approx(float(ref_d), rel=1e-5, abs=1e-9)

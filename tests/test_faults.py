@@ -26,7 +26,7 @@ from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.runs.store import CorruptFileError
 from gradlab.loop.setup.policy import load_policy, save_policy
 from gradlab.loop.train import train
-from gradlab.loop.update.metrics import StepMetrics, _ratios
+from gradlab.loop.update.metrics import StepMetrics, finalize
 from gradlab.testing import measure_modulation, random_batch
 
 DATA = Path(__file__).parent / "data"
@@ -99,12 +99,12 @@ def test_skip_counts_zero_on_healthy_steps(tmp_path):
 
 def test_a_metric_of_a_non_finite_w_is_nan_never_zero():
     nan = math.nan
-    r = _ratios({"residual_prefix": nan, "scale_prefix": nan, "n_tokens": 4.0,
+    r = finalize({"residual_prefix": nan, "scale_prefix": nan, "n_tokens": 4.0,
                  "entropy_sum": nan, "drift_node_kl_sum": nan, "drift_node_count": 2.0})
     assert math.isnan(r["rho_prefix"]) and math.isnan(r["entropy"])
     assert math.isnan(r["drift_node_kl_mean"])
     # a zero denominator is undefined too (W ≡ 0 at the nodes): NaN, not a cancelled 0
-    assert math.isnan(_ratios({"residual_prefix": 0.0, "scale_prefix": 0.0})["rho_prefix"])
+    assert math.isnan(finalize({"residual_prefix": 0.0, "scale_prefix": 0.0})["rho_prefix"])
     acc = StepMetrics()
     acc.maxes["w_max"] += [torch.tensor(1.0), torch.tensor(nan)]
     assert math.isnan(acc.finish()["w_max"])

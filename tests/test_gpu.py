@@ -64,7 +64,7 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import optimizer_step
+    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128,
@@ -87,8 +87,8 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
                     drift=False, progress=False, max_new_tokens=tokens)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    optimizer_step(L, run, ro, advantages(ro.rewards, ro.group), torch.arange(n, device="cuda"),
-                   StepMetrics(), False, [], Dist())
+    work = StepWork(ro, advantages(ro.rewards, ro.group), torch.arange(n, device="cuda"), 1)
+    optimizer_step(L, run, work, StepMetrics(), loop_instruments(run), Dist())
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del L, model, ro

@@ -26,7 +26,13 @@ from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.train import Learner, train
 from gradlab.loop.update.metrics import StepMetrics
-from gradlab.loop.update.step import _accumulate, micro_batches, optimizer_step
+from gradlab.loop.update.step import (
+    StepWork,
+    _accumulate,
+    loop_instruments,
+    micro_batches,
+    optimizer_step,
+)
 from tolerance import assert_close_f32, f32_atol
 
 G = 4
@@ -100,7 +106,8 @@ def _step(model, name, params, ro, adv, rows, mb, others=()):
     L = Learner(name, obj, m, opt, torch.Generator())
     cfg = RunConfig(G=G, micro_batch=mb, progress=False, tax_every=1)
     acc = StepMetrics()
-    optimizer_step(L, cfg, ro, adv, rows, acc, True, list(others), Dist())
+    optimizer_step(L, cfg, StepWork(ro, adv, rows, 0), acc, loop_instruments(cfg, list(others)),
+                   Dist())
     rec = acc.finish()
     return {k: v for k, v in rec.items()}, dict(m.named_parameters())
 

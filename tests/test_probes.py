@@ -341,8 +341,14 @@ def test_hooks_removed_on_exit_and_exception(setup):
 def test_schedule_and_disabled_probe(setup):
     s = Schedule(every=3, start=2)
     assert [k for k in range(10) if s.active(k)] == [2, 5, 8]
-    with pytest.raises(ValueError):
-        Schedule(every=0)
+    assert not any(Schedule(every=0).active(k) for k in range(10))  # every = 0: never
+    assert [k for k in range(20) if Schedule(every=5, first=2).active(k)] == [0, 5]
+    for bad in ({"every": -1}, {"start": -1}, {"first": -2}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Schedule(**bad)
+    assert Schedule.parse("off") == Schedule(every=0) and Schedule.parse("3") == Schedule(every=3)
+    with pytest.raises(ValueError, match="'often'"):
+        Schedule.parse("often")
     _, lp, batch = _step(setup)
     with ModulationProbe(enabled=s.active(0)) as probe:
         assert probe.watch(lp) is lp and not lp._backward_hooks
@@ -366,7 +372,8 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     from gradlab.loop.setup.task import ArithmeticTask
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import drift_step, node_logprobs
+    from gradlab.loop.update.forwards import node_logprobs
+    from test_drift_bounded import run_drift
 
     model, tok = load_policy()
     task = ArithmeticTask()
@@ -397,10 +404,7 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
         assert_close_f32(nodes_before.dist, before[sn.rep, sn.position], msg="node log-probs")
         tok_before = before[sn.rep, sn.position].gather(-1, sn.token[:, None]).squeeze(-1)
         assert_close_f32(nodes_before.token_logp, tok_before, msg="node token log-probs")
-        acc = StepMetrics()
-        drift_step(Learner("x", None, after_model, None, None), cfg, ro, rows, b, nodes_before,
-                   sn, heavy, acc)
-        out[heavy, mb] = acc.finish()
+        out[heavy, mb] = run_drift(after_model, cfg, ro, rows, b, nodes_before, sn, heavy)
         for k in ("node_kl", "node_dlogp"):
             assert out[heavy, mb][f"drift_{k}_mean"] == pytest.approx(float(ref[f"{k}_mean"]),
                                                                      rel=1e-4, abs=1e-9), k
@@ -423,7 +427,7 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     from gradlab.loop.setup.policy import load_policy
     from gradlab.loop.setup.task import ArithmeticTask
     from gradlab.loop.train import Learner
-    from gradlab.loop.update.step import tax_step
+    from gradlab.loop.update.forwards import tax_step
 
     model, tok = load_policy()
     model.train()
@@ -441,8 +445,7 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     sn = shared_nodes(b, "prefix")
     params = dict(model.named_parameters())
     full = learning_tax(lp, W, b, params, sn=sn)
-    L = Learner("gspo", obj, model, None, None)
-    cheap = tax_step(L, RunConfig(progress=False), ro, rows, b, W, sn)
+    cheap = tax_step(model, RunConfig(progress=False), ro, rows, b, W, sn)
     assert float(full["tax_norm"]) > 0
     for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
         assert float(cheap[k]) == pytest.approx(float(full[k]), rel=1e-4), k
@@ -452,11 +455,11 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
 
 
 def test_every_zero_denominator_ratio_is_nan_and_counts_stay_numbers():
-    """`_ratios` on sums whose denominators are all 0 (no row, group, token, node, residual,
+    """`finalize` on sums whose denominators are all 0 (no row, group, token, node, residual,
     branch point, repair): every ratio NaN, never 0; the counts and sums it keeps stay 0."""
     import math
 
-    from gradlab.loop.update.metrics import TOKSUM, _ratios
+    from gradlab.loop.update.metrics import TOKSUM, finalize
 
     zero = {k: 0.0 for k in (
         "residual_prefix", "scale_prefix", "residual_trie", "scale_trie", "n_shared_prefix",
@@ -468,7 +471,7 @@ def test_every_zero_denominator_ratio_is_nan_and_counts_stay_numbers():
         "branch_depth_sum", "generated_tokens", "repairs_kept", "repairs_tried",
         "edited_tokens")}
     zero[f"{TOKSUM}clip_frac"] = 0.0
-    r = _ratios(zero)
+    r = finalize(zero)
     ratios = ("rho_prefix", "rho_trie", "entropy", "entropy_shared", "drift_node_kl_mean",
               "drift_node_dlogp_mean", "reward", "accuracy", "length", "form0_share",
               "form1_share", "split_share", "zero_std_share", "attr_clip", "adv_nonzero_frac",
@@ -481,7 +484,7 @@ def test_every_zero_denominator_ratio_is_nan_and_counts_stay_numbers():
               "n_shared_prefix", "attr_residual", "repairs_tried"):
         assert r[k] == 0.0, k  # a count or sum of nothing is 0, a number
     # a measured 0 stays 0: residual 0 over a non-zero scale is "cancelled"
-    assert _ratios({"residual_prefix": 0.0, "scale_prefix": 2.0})["rho_prefix"] == 0.0
+    assert finalize({"residual_prefix": 0.0, "scale_prefix": 2.0})["rho_prefix"] == 0.0
 
 
 def test_tax_share_and_cos_undefined_without_gradient():
@@ -502,6 +505,7 @@ def test_step_tax_mean_skips_undefined_optimizer_steps():
     the plain mean when all are, NaN when none is; a NaN of a non-finite g is kept."""
     import math
 
+    from gradlab.instruments import Tax
     from gradlab.loop.update.metrics import StepMetrics
 
     def tax(share: float, total: float) -> dict:
@@ -513,25 +517,25 @@ def test_step_tax_mean_skips_undefined_optimizer_steps():
     shares = [0.1, 0.3, 0.7]
     acc = StepMetrics()
     for s in shares:
-        acc.add_tax(tax(s, 2.0))
+        acc.record(Tax.readings(tax(s, 2.0)))
     def mean(xs):  # as `finish` pools: float64 sum of the float32 values over their count
         return float(torch.tensor(xs).double().sum()) / len(xs)
 
     assert acc.finish()["tax_share"] == mean(shares)  # bitwise the plain mean
     acc = StepMetrics()
     for s, total in ((0.1, 2.0), (math.nan, 0.0), (0.7, 2.0)):
-        acc.add_tax(tax(s, total))
+        acc.record(Tax.readings(tax(s, total)))
     out = acc.finish()
     assert out["tax_share"] == mean([0.1, 0.7]) and out["tax_share/mlp"] == mean([0.1, 0.7])
     assert out["total_norm"] == 4.0 / 3  # the norms average every step
     acc = StepMetrics()
     for _ in range(2):
-        acc.add_tax(tax(math.nan, 0.0))
+        acc.record(Tax.readings(tax(math.nan, 0.0)))
     out = acc.finish()
     assert math.isnan(out["tax_share"]) and math.isnan(out["tax_cos"])
     acc = StepMetrics()
-    acc.add_tax(tax(0.1, 2.0))
-    acc.add_tax(tax(math.nan, math.nan))  # non-finite: stays NaN, never skipped
+    acc.record(Tax.readings(tax(0.1, 2.0)))
+    acc.record(Tax.readings(tax(math.nan, math.nan)))  # non-finite: stays NaN, never skipped
     assert math.isnan(acc.finish()["tax_share"])
 
 

@@ -12,7 +12,7 @@ A step's data flow (docs/architecture.md draws it):
     setup/      tasks and verifiers, the held-out split, policies, the load-time self-check
     scale/      torchrun data parallelism and FSDP2
     runs/       the run folder: store, traces, lock, resume, live logs
-    update/     one optimizer step with its probes; the step's metrics; the probe contexts
+    update/     one optimizer step in its phases, what its instruments see; metrics; probe contexts
     train.py    the loop, written out
     recipes/    loops built on train: the main job, its check, eval, variance, Prop. 3.1
 

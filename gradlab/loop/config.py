@@ -81,7 +81,8 @@ class RunConfig:
     eval_size: int = 64  # held-out problems per evaluation (loop/setup/heldout.py)
     probes: bool = True
     drift: bool = True
-    flips: bool = False  # token-flip ledger on heavy steps (every tax_every; loop/update/flipstep.py)
+    flips: bool = False  # token-flip ledger on heavy steps (every tax_every; gradlab/instruments)
+    instruments: str = ""  # "" = from probes/drift/flips/tax_every; else a spec (gradlab/instruments)
     probe_contexts: int = 16
     progress: bool = True
     trace_every: int = 10

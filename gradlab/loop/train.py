@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..core import objectives, variants
 from ..core.batch import advantages
+from ..instruments.manifest import write_manifest
 from ..provenance import record as record_provenance
 from ..core.userloss import UserLossError
 from .config import ConfigError, RunConfig
@@ -41,7 +42,7 @@ from .setup.realmodel import format_problems, prepare_run
 from .setup.task import BUILTIN_TASKS, check_encodable, get_task
 from .update.metrics import StepMetrics
 from .update.probeset import probe_metrics, probe_set
-from .update.step import minibatches, optimizer_step
+from .update.step import StepWork, loop_instruments, minibatches, optimizer_step
 
 EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected", "time_eval")
 
@@ -101,21 +102,21 @@ def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout
 
 
 def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
-                 others, D: Dist) -> tuple[dict, Rollout]:
-    """Sample one rollout batch and make `minibatches` optimizer steps; returns (metrics, rollout)."""
-    acc = StepMetrics(D)
+                 instruments, D: Dist) -> tuple[dict, Rollout]:
+    """Sample one rollout batch and make `minibatches` optimizer steps, measured by
+    `instruments` (`loop_instruments`); returns (metrics, rollout)."""
+    acc = StepMetrics(D, instruments.quantities())
     L.step = step
     t0 = time.perf_counter()
     ro = sample(L, cfg, task, tok, step, D)
     acc.time("rollout", t0)
     adv = advantages(ro.rewards, ro.group, scale=cfg.adv_scale)
     L.tokens += int(D.sum(ro.response_mask.sum()))
-    heavy = cfg.tax_every > 0 and step % cfg.tax_every == 0
     parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups, cfg.prompts,
                         polarity=adv if cfg.balance_polarity else None)
     try:
         for rows in parts:
-            optimizer_step(L, cfg, ro, adv, rows, acc, heavy, others, D)
+            optimizer_step(L, cfg, StepWork(ro, adv, rows, step), acc, instruments, D)
     except UserLossError as e:  # a user loss's fault: one line naming it and the step (exit 3)
         raise UserLossError(f"{e} at step {step}") from e.__cause__
     acc.add_rollout(task, ro, parts)
@@ -169,6 +170,10 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     trained = cfg.objectives if cfg.mode == "tandem" else cfg.objectives[:1]
     others = [] if cfg.mode == "tandem" else [  # (label, objective) pairs
         (variants.label(n), build_objective(cfg, n)) for n in cfg.objectives[1:]]
+    try:  # what every optimizer step measures (gradlab/instruments)
+        instruments = loop_instruments(cfg, others)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--instruments: {e}") from None
     # the probe set is drawn from the initial weights before the last learner takes them over
     probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
     learners = make_learners(cfg, model, trained)
@@ -176,6 +181,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
     start = restore(store, learners, D) if resume else 0  # loop/runs/resume.py
     if D.main:  # the code, machine and thread count of this segment (gradlab/provenance.py)
         record_provenance(store.path, start)
+        write_manifest(store.path, list(instruments))  # what is measured, and its curves
     if 0 < start < cfg.steps and cfg.eval_every and start % cfg.eval_every and D.main:
         # the shorter run evaluated at its end (step start-1); an uninterrupted run of this
         # length does not evaluate there, so neither does the resumed one: resume stays exact
@@ -196,7 +202,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
         for L in learners:
             t0 = time.perf_counter()
             tracer.begin(L.name, step)
-            rec, ro = rollout_step(L, cfg, task, tok, step, probes, others, D)
+            rec, ro = rollout_step(L, cfg, task, tok, step, probes, instruments, D)
             tracer.end()
             rec["time_step"] = time.perf_counter() - t0
             if evalset and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):

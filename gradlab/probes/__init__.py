@@ -3,19 +3,19 @@
 - `ModulationProbe`, `Schedule`: measure W = −∂loss/∂logps with a hook, for any loss.
 - `learning_tax`, `layer_groups`: the parameter-space residual g_tax, overall and per group.
 - `DFPOGradientTransform`: DFPO as a hook that turns any base loss's W into W̃.
-- `measure_step`, `StepReadings`: what one step's measured W says (residuals, W deviation);
-  `defined_ratio`: ρ of a cancellation report, NaN where it is undefined (never 0).
+- `defined_ratio`: ρ of a cancellation report, NaN where it is undefined (never 0). What a
+  training step measures with these, and when, is `gradlab.instruments`.
 - `node_drift`, `kl_rows`, `entropy`, `equal_solution_logodds`: drift and collapse figures.
 """
 
 from .drift import entropy, equal_solution_logodds, kl_rows, node_drift, shared_drift
 from .modulation import ModulationProbe, Schedule
-from .residuals import StepReadings, defined_ratio, measure_step, residual_sums
+from .residuals import defined_ratio
 from .tax import group_of, layer_groups, learning_tax
 from .transform import DFPOGradientTransform
 
 __all__ = [
-    "DFPOGradientTransform", "ModulationProbe", "Schedule", "StepReadings", "defined_ratio", "entropy", "equal_solution_logodds",
-    "group_of", "kl_rows", "layer_groups", "learning_tax", "measure_step", "node_drift",
-    "residual_sums", "shared_drift",
+    "DFPOGradientTransform", "ModulationProbe", "Schedule", "defined_ratio", "entropy",
+    "equal_solution_logodds", "group_of", "kl_rows", "layer_groups", "learning_tax", "node_drift",
+    "shared_drift",
 ]

@@ -15,36 +15,16 @@ The hook stores a device tensor and does nothing else: no `.item()`, no host syn
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from ..core.batch import TokenBatch
+from ..instruments.schedule import Schedule  # noqa: F401  (the probes' schedule)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Which optimizer steps a probe is on for: steps start, start + every, start + 2·every, …
-
-    Use: `ModulationProbe(enabled=schedule.active(step))`.
-    """
-
-    every: int = 1
-    start: int = 0
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"Schedule: every must be ≥ 1, got {self.every}")
-        if self.start < 0:
-            raise ValueError(f"Schedule: start must be ≥ 0, got {self.start}")
-
-    def active(self, step: int) -> bool:
-        return step >= self.start and (step - self.start) % self.every == 0
 
 
 def check_logps(logps: Tensor, who: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..instruments.manifest import manifest_curves
 from ..loop.faults.atomic import write_file
 from .curves import CURVES, plt, training_curves
 from .runs import run_title
@@ -30,10 +31,13 @@ FIELDS = ["row", "position", "text", "W", "W_closed", "A", "r", "s", "prefix_nod
           "trie_node", "trie_size", "clip", "opt_step", "parent", "branch_at"]
 
 
-def curves_svg(tidy: pd.DataFrame) -> str:
-    """The run's training curves (x = rollout step) as an inline <svg> element."""
+def curves_svg(tidy: pd.DataFrame, extra: list[tuple[str, str]] = ()) -> str:
+    """The run's training curves (x = rollout step) as an inline <svg> element; `extra`:
+    (metric, title) curves the run's instruments declared (`instruments.json`)."""
     d = tidy[~tidy["metric"].astype(str).str.startswith("time_")]
-    have = [c for c in CURVES if c[0] in set(d["metric"])]
+    known = {m for m, _ in CURVES}
+    curves = CURVES + [c for c in extra if c[0] not in known]
+    have = [c for c in curves if c[0] in set(d["metric"])]
     if not have:
         return "<p>no curves in this run</p>"
     fig = training_curves(d, have, x="step", log=("rho_prefix", "rho_trie"))
@@ -100,7 +104,7 @@ def view(run: str | Path, out: str | Path | None = None, refresh: float | None =
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run} is not a run folder (no config.json)")
     tidy = load_run(run) if (run / "metrics.jsonl").exists() else None
-    svg = curves_svg(tidy) if tidy is not None else "<p>no metrics</p>"
+    svg = curves_svg(tidy, manifest_curves(run)) if tidy is not None else "<p>no metrics</p>"
     summary = summary_html(tidy) if tidy is not None and len(tidy) else ""
     try:
         payload = trace_payload(load_traces(run))

@@ -22,6 +22,8 @@ update rebuilt from the optimizer state equals θ+ − θ.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ...core.batch import TokenBatch, advantages
@@ -36,7 +38,7 @@ from ..setup.policy import load_policy
 from ..setup.task import get_task
 from ..train import Learner, make_learners, sample
 from ..update.metrics import StepMetrics
-from ..update.step import minibatches, optimizer_step
+from ..update.step import StepWork, loop_instruments, minibatches, optimizer_step
 
 
 def _norm(d: dict[str, torch.Tensor]) -> float:
@@ -79,7 +81,8 @@ def measured_step(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch
     hook = L.opt.register_step_pre_hook(
         lambda *_: seen.update({n: p.grad.detach().clone() for n, p in params.items()}))
     try:
-        optimizer_step(L, cfg, ro, adv, rows, StepMetrics(D), False, [], D)
+        light = loop_instruments(replace(cfg, tax_every=0))  # no tax, attribution, flips
+        optimizer_step(L, cfg, StepWork(ro, adv, rows, 0), StepMetrics(D), light, D)
     finally:
         hook.remove()
     after = {n: p.detach().clone() for n, p in params.items()}

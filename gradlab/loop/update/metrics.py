@@ -1,17 +1,14 @@
 """Per-step metrics of the loop: record numbers on the device, sync once per rollout step.
 
-`StepMetrics` only records what the step and the probes hand it: over the optimizer steps of
-one rollout batch it keeps sums and counts (never averages of ratios), so ρ = Σ residual /
-Σ mass over all the steps' nodes, and combines data-parallel ranks in `finish`.
-
-A ratio is a sum over all optimizer steps and ranks divided by another, so data-parallel ranks
-report what one process computes on the whole batch (tests/test_ddp.py holds every metric to it):
-clip_frac and ratio_mean are token means over the rollout step's response tokens (Σ clipped /
-Σ tokens, Σ r / Σ tokens); attr_<mechanism> = Σ(res − res_off) / Σ res over the tax steps'
-full-group nodes (a residual-weighted mean: on-policy steps whose residual is float noise weigh
-~0), attr_residual = Σ res. One exception, by definition: the "length" counterfactual of
-attr_length sets T_i to the mean length of the rows the objective sees — under DDP a rank's own
-rows — so attr_length is per rank there (`gradlab.core.losses._lengths`).
+`StepMetrics` only records what the step and the instruments hand it (`gradlab.instruments`:
+`Readings`): over the optimizer steps of one rollout batch it keeps sums and counts (never
+averages of ratios), combines data-parallel ranks in `finish`, and then turns the totals into
+the reported metrics by *declared* rules (`Ratio`, `Derived`: each instrument's `quantities()`,
+and `OWN_QUANTITIES` for what the loop itself records). So ρ = Σ residual / Σ scale over all the
+steps' nodes, and data-parallel ranks report what one process computes on the whole batch
+(tests/test_ddp.py holds every metric to it). One exception, by definition: the "length"
+counterfactual of attr_length sets T_i to the mean length of the rows the objective sees — under
+DDP a rank's own rows — so attr_length is per rank there (`gradlab.core.losses._lengths`).
 
 Undefined is not zero: a ratio whose denominator is 0 is NaN in the store (printed "—" with its
 reason by `gradlab.viz.summary`), never 0, which means "measured and cancelled". The sums and
@@ -30,26 +27,31 @@ from torch import Tensor
 
 from ...core.batch import TokenBatch
 from ...core.credit import branch_tokens
-from ...probes.flips import PREFIX as FLIPS
-from ...probes.flips import flip_shares
+from ...instruments import Derived, Ratio, Readings, div, resolve
 from ..rollouts.layouts import layout_sums
 
-TOKSUM = "toksum/"  # Σ over tokens of a per-token stat; `_ratios` divides by n_tokens
+TOKSUM = "toksum/"  # Σ over tokens of an objective's per-token stat (names known at run time)
 
 
 class StepMetrics:
     """Accumulator for one rollout step of one learner."""
 
-    def __init__(self, D=None) -> None:
+    def __init__(self, D=None, quantities: list | None = None) -> None:
         from ..scale.dist import Dist
 
         self.D = D if D is not None else Dist()
+        self.quantities: list = list(OWN_QUANTITIES)  # how `finish` turns sums into metrics
+        self.declare(quantities or [])
         self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
         self.means: dict[str, list] = defaultdict(list)  # averaged at finish
         # means over the steps where the value is defined: name → (B,) flags beside `means`
         self.defined: dict[str, list] = defaultdict(list)
         self.maxes: dict[str, list[Tensor]] = defaultdict(list)
         self.times: dict[str, float] = defaultdict(float)
+
+    def declare(self, quantities: list) -> None:
+        """Add finalize rules (an instrument's `quantities()`); a rule declared twice counts once."""
+        self.quantities += [q for q in quantities if q not in self.quantities]
 
     def time(self, what: str, since: float) -> None:
         self.times[f"time_{what}"] += time.perf_counter() - since
@@ -89,37 +91,19 @@ class StepMetrics:
         self.sums["adv_abs_sum"].append(A.double().sum())
         self.sums["adv_abs_branch_sum"].append((A * branch).double().sum())
 
-    def record(self, r) -> None:
-        """A `gradlab.probes.StepReadings` of one optimizer step: sums add, maxima max."""
+    def record(self, r: Readings) -> None:
+        """An instrument's `Readings` of one optimizer step: sums add, maxima max, means are
+        averaged over the steps where they are defined (`add_scalar`)."""
         for k, v in r.sums.items():
             self.sums[k].append(v)
         for k, v in r.maxes.items():
             self.maxes[k].append(v)
-        for k, v in r.means.items():
-            self.add_scalar(k, v)
-
-    def add_tax(self, d: dict) -> None:
-        """`learning_tax` output: overall figures and tax_share/<layer group>.
-
-        tax_share (‖g_tax‖ / ‖g‖) is undefined on a step with g = 0 and tax_cos on a step
-        with g_tax = 0 or g = 0: each is averaged over the steps where it is defined (NaN
-        when there is none); the norms are means over every step."""
-        for k in ("tax_norm", "total_norm"):
-            self.add_scalar(k, d[k])
-        self.add_scalar("tax_share", d["tax_share"], d["total_norm"] != 0)
-        self.add_scalar("tax_cos", d["tax_cos"], d["tax_norm"] * d["total_norm"] != 0)
-        for group, g in d["groups"].items():
-            self.add_scalar(f"tax_share/{group}", g["tax_share"], g["total_norm"] != 0)
-
-    def add_drift(self, d: dict) -> None:
-        """`node_drift` output: sums and counts, turned into means over the rollout step."""
-        for k, v in d.items():
-            if k.endswith("_sum") or k.endswith("_count"):
-                self.sums[f"drift_{k}"].append(v)
+        for k, (v, defined) in r.means.items():
+            self.add_scalar(k, v, defined)
 
     def finish(self) -> dict:
         """One host sync: reduce everything to floats, then combine data-parallel ranks:
-        sums and counts add, maxima max, then ratios of the totals (`_ratios`). Per-step
+        sums and counts add, maxima max, then the declared rules (`finalize`). Per-step
         scalars (grad_norm, tax_*: the same on every rank) pool over all ranks' optimizer
         steps; the loss adds (each rank's part of a global minibatch loss is a share of it)."""
         def f64(v):
@@ -152,7 +136,7 @@ class StepMetrics:
             for k, v in x_.items():
                 old = out.get(k, -float("inf"))
                 out[k] = math.nan if math.isnan(old) or math.isnan(v) else max(old, v)
-        return _ratios(out)
+        return finalize(out, self.quantities)
 
     def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
         """Reward, accuracy, length, solution forms and split groups of the rollout, as sums
@@ -178,81 +162,16 @@ class StepMetrics:
             self.sums[k].append(v)
 
 
-def div(a: float, b: float) -> float:
-    """a / b, or NaN where it is undefined: b = 0 (nothing to divide by) or either side NaN
-    (a metric of a non-finite W). Never 0 for "undefined": 0 means measured and cancelled."""
-    if math.isnan(a) or math.isnan(b) or b == 0:
-        return math.nan
-    return a / b
+def _token_means(s: dict) -> dict:
+    """An objective's per-token stats (clip_frac, ratio_mean): Σ over tokens / n_tokens."""
+    return {k[len(TOKSUM):]: div(v, s.get("n_tokens", 0)) for k, v in s.items() if k.startswith(TOKSUM)}
 
 
-def _ratios(s: dict) -> dict:
-    """Turn accumulated sums into the reported ratios; each is NaN where its denominator is 0:
-
-    rho_<kind> = Σ residual / Σ scale: no node of the kind (n_shared_<kind> = 0: no full-group
-      token) or W ≡ 0 at its nodes (every group tied: no gradient there);
-    drift_*_mean: no position of the kind (its count is 0);
-    reward, accuracy, length, form*_share: no row; split_share, zero_std_share, *_per_group:
-      no group; clip_frac, ratio_mean, adv_nonzero_frac, shared_frac_*, entropy: no token;
-      entropy_shared: no full-group token; adv_branch_share: every advantage 0;
-    attr_<mechanism>: the residual Σ|d| is 0 (nothing to attribute);
-    `_layout_ratios`: per generated token, per branch point, per repair tried / kept;
-    flips/<sign>/<kind>/<conf>/*_share, dlogp_mean: no token in the cell
-      (`gradlab.probes.flips.flip_shares`; flipped_share of A = 0 tokens: always, no sign).
-    The counts and sums they are made of stay in the record as numbers.
-    """
-    out = dict(s)
-
-    for key in list(s):
-        if key.endswith("residual_prefix") or key.endswith("residual_trie"):
-            pre, kind = key.rsplit("residual_", 1)
-            out[f"{pre}rho_{kind}"] = div(s[key], s[f"{pre}scale_{kind}"])
-    for key in list(s):
-        if key.startswith("drift_") and key.endswith("_sum"):
-            stem = key[: -len("_sum")]
-            where, _ = stem.rsplit("_", 1)  # drift_node_kl → its own count, else drift_node's
-            count = s.get(f"{stem}_count", s.get(f"{where}_count", 0))
-            out[f"{stem}_mean"] = div(s[key], count)
-    if "n_rows" in s:
-        r = s["n_rows"]
-        out.update({"reward": div(s["reward_sum"], r), "accuracy": div(s["correct"], r),
-                    "length": div(s["length_sum"], r), "form0_share": div(s["form0"], r),
-                    "form1_share": div(s["form1"], r),
-                    "split_share": div(s["split_groups"], s["n_groups"]),
-                    "zero_std_share": div(s["zero_std_groups"], s["n_groups"])})
-        for k in ("reward_sum", "correct", "length_sum", "form0", "form1", "split_groups",
-                  "zero_std_groups"):
-            out.pop(k)
-    if "generated_tokens" in s:
-        out.update(_layout_ratios(s, out, div))
-    n = s.get("n_tokens", 0)
-    for key in [k for k in s if k.startswith(TOKSUM)]:  # clip_frac, ratio_mean: token means
-        out[key[len(TOKSUM):]] = div(out.pop(key), n)
-    # attribution shares: Σ(res − res_off) / Σ res over the step's nodes (a residual-weighted
-    # mean, so on-policy steps whose residual is float noise weigh ~0)
-    for key in [k for k in s if k.startswith("attr_") and k.endswith("_sum")]:
-        out[key[: -len("_sum")]] = div(out.pop(key), s["attr_residual"])
-    if "adv_nonzero" in s:
-        out["adv_nonzero_frac"] = div(out.pop("adv_nonzero"), n)
-        out["adv_branch_share"] = div(out.pop("adv_abs_branch_sum"), out.pop("adv_abs_sum"))
-    for kind in ("prefix", "trie"):
-        if f"n_shared_{kind}" in s:
-            out[f"shared_frac_{kind}"] = div(s[f"n_shared_{kind}"], n)
-    if "entropy_sum" in s:
-        out["entropy"] = div(out.pop("entropy_sum"), n)
-    if "entropy_shared_sum" in s:
-        out["entropy_shared"] = div(out.pop("entropy_shared_sum"), s.get("n_shared_prefix", 0))
-    if any(k.startswith(FLIPS) for k in s):  # token-flip ledger (runs with flips on only)
-        out.update(flip_shares(s))
-    return out
-
-
-def _layout_ratios(s: dict, out: dict, div) -> dict:
+def _layout_ratios(s: dict) -> dict:
     """Per-group and per-token figures of the rollout layout (`gradlab.loop.rollouts.layouts`);
     NaN where the denominator is 0 (no group, no generated token, no branch point, no repair
     tried or kept: e.g. edited_per_repair of a run whose repairs all failed)."""
     g = s.get("n_groups", 0)
-    out.pop("branch_depth_sum")
     return {"distinct_per_group": div(s["distinct_responses"], g),
             "duplicates_per_group": div(s["duplicate_responses"], g),
             "branch_points_per_group": div(s["branch_points"], g),
@@ -261,3 +180,33 @@ def _layout_ratios(s: dict, out: dict, div) -> dict:
             "branch_depth": div(s["branch_depth_sum"], s["branch_points"]),
             "repair_success": div(s["repairs_kept"], s["repairs_tried"]),
             "edited_per_repair": div(s["edited_tokens"], s["repairs_kept"])}
+
+
+_ROWS = "no row"
+# what the loop records itself (not an instrument): rollout, tokens, advantages, layout
+OWN_QUANTITIES: list = [
+    *(Ratio(name, num, "n_rows", _ROWS, drop_num=True) for name, num in (
+        ("reward", "reward_sum"), ("accuracy", "correct"), ("length", "length_sum"),
+        ("form0_share", "form0"), ("form1_share", "form1"))),
+    Ratio("split_share", "split_groups", "n_groups", "no group", drop_num=True),
+    Ratio("zero_std_share", "zero_std_groups", "n_groups", "no group", drop_num=True),
+    Ratio("entropy", "entropy_sum", "n_tokens", "no response token", drop_num=True),
+    Ratio("adv_nonzero_frac", "adv_nonzero", "n_tokens", "no response token", drop_num=True),
+    Ratio("adv_branch_share", "adv_abs_branch_sum", "adv_abs_sum", "every advantage 0",
+          drop_num=True, drop_den=True),
+    Derived(TOKSUM, _token_means, "no response token", drop_family=True),
+    Derived("generated_tokens", _layout_ratios, "no group, token, branch point or repair",
+            drop=("branch_depth_sum",)),
+]
+
+
+def finalize(totals: dict, quantities: list | None = None) -> dict:
+    """The reported metrics of reduced sums: the sums themselves, plus every declared rule's
+    metric (default: the loop's own and every built-in instrument's, `resolve("full")`). Each
+    ratio is NaN where its denominator is 0; the rule says when (`Ratio.undefined`)."""
+    if quantities is None:
+        quantities = OWN_QUANTITIES + [q for i in resolve("full,same_batch") for q in i.quantities()]
+    out = dict(totals)
+    for q in quantities:
+        q.apply(totals, out)
+    return out
