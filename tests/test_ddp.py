@@ -43,6 +43,7 @@ def _same_store(wa, wb) -> None:
     cols = [c for c in wa.columns if wa[c].dtype.kind == "f" and not c.startswith("time_")
             and c not in NOT_COMPARED]
     assert {"clip_frac", "ratio_mean", "attr_clip", "attr_coupling", "rho_prefix"} <= set(cols)
+    assert "shared_mass_share" in cols or "shared_mass_share" not in wb.columns
     real = wa["attr_residual"].to_numpy() > 1e-6
     assert real.any()  # an attribution of a real residual is compared
     bad = {}
@@ -54,11 +55,15 @@ def _same_store(wa, wb) -> None:
     assert not bad, "\n".join(f"{c}: one process {a}, two ranks {b}" for c, (a, b) in bad.items())
 
 
+# the default instruments and a user's one (examples/own_instrument.py): its sums reduce over ranks
+OWN = ("--instruments", f"default,{Path(__file__).parents[1] / 'examples' / 'own_instrument.py'}:SharedMass")
+
+
 def test_two_ranks_equal_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run([sys.executable, "-m", "gradlab", "tandem", "--out", str(one), "--steps", "3",
-                    *ARGS], env=ENV, check=True, capture_output=True, timeout=600)
-    r = _torchrun(two, 3)
+                    *ARGS, *OWN], env=ENV, check=True, capture_output=True, timeout=600)
+    r = _torchrun(two, 3, extra=OWN)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for obj in ("grpo", "gspo"):
         a = load_file(one / "checkpoints" / obj / "model.safetensors")

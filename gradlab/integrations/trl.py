@@ -49,6 +49,10 @@ from trl.trainer import grpo_trainer as _grpo_module
 from ..core.batch import TokenBatch
 from ..core.dfpo import SCOPES, TRANSFORMS
 from ..core.nodes import NODE_KINDS
+from ..instruments import InstrumentSet, resolve
+from ..instruments.manifest import write_manifest
+from ..instruments.window import OFFERED as WINDOW_GIVES
+from ..instruments.window import WindowView, measure_window
 from ..loop.runs.store import RunStore
 from ..loop.runs.traces import trace_window
 from ..probes import DFPOGradientTransform, ModulationProbe
@@ -86,6 +90,9 @@ class GradlabConfig:
         advantages fed to TRL's loss (module doc; `gradlab.integrations.trl_ibpo`).
     tax_every: the learning tax ‖g_tax‖/‖g‖ on every k-th optimizer step of a measured window
         (0 = off; one extra forward + backward over the nodes' rows: `gradlab.integrations.trl_tax`).
+    instruments: more instruments run on every measured window, a spec string
+        (`gradlab.instruments.resolve`: "my.mod:Spread@2"; the loop's own objects, on the
+        window's W and batch), logged as `gradlab/<metric>` and drawn by `gradlab view`.
     """
 
     store: str | None = "auto"
@@ -101,6 +108,7 @@ class GradlabConfig:
     trace_groups: int = 2
     loss: str | None = None
     tax_every: int = 0
+    instruments: str = ""
 
     def __post_init__(self) -> None:
         for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
@@ -114,11 +122,18 @@ class GradlabConfig:
         if min(self.trace_every, self.trace_groups) < 0:
             raise ValueError(f"GradlabConfig: trace_every={self.trace_every}, trace_groups="
                              f"{self.trace_groups}; valid: ≥ 0 (0 = no traces)")
+        self.instrument_set()  # an unknown name or an unmet need raises here, naming it
         if self.loss is not None:
             parse_loss(self.loss)
             if self.dfpo is not None:
                 raise ValueError(f"GradlabConfig: loss={self.loss!r} with dfpo={self.dfpo!r}; DFPO "
                                  "needs one advantage per sequence, IBPO gives one per token")
+
+    def instrument_set(self) -> InstrumentSet:
+        """The extra instruments (`instruments`), checked against what a window gives."""
+        chosen = InstrumentSet(resolve(self.instruments) if self.instruments else [])
+        chosen.check(set(WINDOW_GIVES), "TRL's window (W and the batch)")
+        return chosen
 
     @property
     def ibpo(self) -> IBPOLoss | None:
@@ -137,6 +152,7 @@ class GradlabMixin(ResumeMixin):
         self.gradlab = gradlab if gradlab is not None else GradlabConfig()
         self._gl_check()
         self._gl_tax = TRLTaxProbe(self.gradlab.tax_every)  # `trainer._gl_tax.steps`: per step
+        self._gl_instruments = self.gradlab.instrument_set()
         check_tax(self)
         self._gl_gen: dict | None = None  # local unshuffled generation batch
         self._gl_parts: list[dict] = []  # one per loss call of the current window
@@ -182,8 +198,10 @@ class GradlabMixin(ResumeMixin):
             return None
         path = os.path.join(self.args.output_dir, "gradlab") if path == "auto" else path
         trl_cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str))}
-        return open_store(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
-                                 "objective": self._gl_label()}, self.gradlab.resume)
+        store = open_store(path, {"trl": trl_cfg, "gradlab": asdict(self.gradlab),
+                                  "objective": self._gl_label()}, self.gradlab.resume)
+        write_manifest(store.path, list(self._gl_instruments))  # curves for `gradlab view`
+        return store
 
     # --- TRL overrides -----------------------------------------------------------------
     def _calculate_rewards(self, *args, **kwargs):
@@ -309,6 +327,9 @@ class GradlabMixin(ResumeMixin):
             return
         w.metrics = window_metrics(w.batch, w.W, w.opt, w.micro, w.W_base, self.gradlab.trie)
         w.metrics.update(tax)
+        due = self._gl_instruments.due(w.index)
+        if due:  # the user's instruments, the same objects as in gradlab's loop
+            w.metrics.update(measure_window(due, WindowView(w.batch, w.W)))
         self.gradlab_window = w
         if self.gradlab.keep_windows:
             self.gradlab_windows.append(w)

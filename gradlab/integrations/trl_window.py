@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch, group_index, split_share
-from ..core.cancellation import cancellation
-from ..core.nodes import SharedNodes, shared_nodes
-from ..probes.residuals import defined_ratio
+from ..core.nodes import SharedNodes
+from ..instruments import Residual
+from ..instruments.window import WindowView, measure_window
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
 
@@ -123,29 +123,29 @@ def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
                    W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
     """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`.
 
-    Every ρ is NaN where it is undefined (`defined_ratio`): nodes_prefix = 0 (no full-group
-    token) or mass_prefix = 0 (W ≡ 0 there; zero_std_share = 1: every group tied); nodes_trie
-    and mass_trie say the same of rho_trie. Counts and sums are numbers."""
-    sn_all = shared_nodes(batch, "trie" if trie else "prefix")
-    sn = sn_all.full_group()
-    c = cancellation(W, batch, sn=sn)
+    ρ, residual and mass come from the `residual` instrument (`gradlab.instruments.Residual`,
+    the one gradlab's loop runs). Every ρ is NaN where it is undefined: nodes_prefix = 0 (no
+    full-group token) or mass_prefix = 0 (W ≡ 0 there; zero_std_share = 1: every group tied);
+    nodes_trie and mass_trie say the same of rho_trie. Counts and sums are numbers."""
+    view = WindowView(batch, W)
+    sn_all = view.nodes()["trie"]
+    sn = view.nodes()["prefix"]
+    m = measure_window([Residual()], view)
     res_step, rho_step = stepwise_residual(W, sn, opt)
-    out = {"rho_prefix": defined_ratio(c), "rho_prefix_step": rho_step, "residual_prefix": c.residual,
-           "residual_prefix_step": res_step, "mass_prefix": c.mass,
-           "shared_fraction": c.shared_fraction, "nodes_prefix": float(c.n_nodes),
+    out = {"rho_prefix": m["rho_prefix"], "rho_prefix_step": rho_step,
+           "residual_prefix": m["residual_prefix"], "residual_prefix_step": res_step,
+           "mass_prefix": m["mass_prefix"], "shared_fraction": m["shared_frac_prefix"],
+           "nodes_prefix": float(sn.n),
            "split_groups": split_share(batch.group, opt),
            "split_groups_micro": split_share(batch.group, micro),
            "groups": float(torch.unique(batch.group).numel()),
            "zero_std_share": tied_share(batch)}
     if trie:
-        ct = cancellation(W, batch, sn=sn_all)
-        out.update(rho_trie=defined_ratio(ct), mass_trie=ct.mass, nodes_trie=float(ct.n_nodes))
+        out.update(rho_trie=m["rho_trie"], mass_trie=m["mass_trie"], nodes_trie=float(sn_all.n))
     if W_base is not None:
-        out["rho_prefix_base"] = defined_ratio(cancellation(W_base, batch, sn=sn))
+        base = WindowView(batch, W_base, view.nodes())
+        out["rho_prefix_base"] = measure_window([Residual()], base)["rho_prefix"]
         out["rho_prefix_step_base"] = stepwise_residual(W_base, sn, opt)[1]
     if not torch.equal(batch.logps, batch.old_logps):  # off-policy rows exist
         out.update(drift_figures(batch, sn))
     return out
-
-
-# ----------------------------------------------------------------------------- the trainer

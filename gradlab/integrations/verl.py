@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -52,12 +53,12 @@ import torch
 from torch import Tensor
 from verl.trainer.ppo import core_algos
 
-from ..core import objectives
 from ..core.batch import TokenBatch, group_index, split_share
-from ..core.cancellation import cancellation
-from ..core.dfpo import SCOPES, TRANSFORMS, node_map, transform_weights
-from ..core.nodes import NODE_KINDS, shared_nodes
-from ..probes.residuals import defined_ratio
+from ..core.dfpo import SCOPES, TRANSFORMS
+from ..core.nodes import NODE_KINDS
+from ..instruments import InstrumentSet, Residual, resolve
+from ..instruments.window import OFFERED as WINDOW_GIVES
+from ..instruments.window import WindowView, measure_window
 
 MEASURE, DFPO = "gradlab_measure", "gradlab_dfpo"
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -79,6 +80,20 @@ class DFPOSettings:
 
 
 SETTINGS = DFPOSettings()
+INSTRUMENTS = InstrumentSet()
+
+
+def use_instruments(spec: str) -> InstrumentSet:
+    """Run these instruments (`gradlab.instruments.resolve` spec) on every mini-batch's W and
+    batch, reported as `gradlab/mini/<metric>`; the workers read GRADLAB_INSTRUMENTS on import."""
+    global INSTRUMENTS
+    chosen = InstrumentSet(resolve(spec) if spec else [])
+    chosen.check(set(WINDOW_GIVES), "verl's mini-batch (W and the batch)")
+    INSTRUMENTS = chosen
+    return chosen
+
+
+use_instruments(os.environ.get("GRADLAB_INSTRUMENTS", ""))
 
 
 @dataclass
@@ -136,67 +151,8 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 
 
 # ----------------------------------------------------------------------------- pure helpers
+from .verl_parts import _global_totals, closed_form, dfpo_delta, row_advantages  # noqa: E402,F401
 
-
-def row_advantages(advantages: Tensor, mask: Tensor, strict: bool, who: str) -> Tensor:
-    """(B,) A_i from verl's (B, T) token advantages: the masked mean of each row.
-
-    strict: raise when a row's advantage is not constant over its tokens (DFPO's w = W/A and
-    its group structure need one A per sequence, as GRPO-type estimators give)."""
-    if advantages.dim() == 1:
-        return advantages.detach()
-    m = mask.to(advantages.dtype)
-    A = (advantages.detach() * m).sum(-1) / m.sum(-1).clamp(min=1)
-    if strict:
-        spread = float(((advantages.detach() - A.unsqueeze(-1)).abs() * m).max()) if m.numel() else 0.0
-        if spread > 1e-6 * (1 + (float(A.abs().max()) if A.numel() else 0.0)):
-            raise ValueError(f"{who}: advantages vary along a response (max spread "
-                             f"{spread:.3g}); DFPO needs one advantage per sequence "
-                             "(a GRPO-type estimator)")
-    return A
-
-
-def closed_form(base: str, agg: str, config, T: int):
-    """gradlab's closed-form objective for verl's `base` loss with `agg`, or None where gradlab
-    has none. Dual clip (clip_ratio_c) of vanilla is not modelled (ratios below 3 agree)."""
-    lo = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    hi = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    if base == "vanilla":
-        norm = {"token-mean": "token", "seq-mean-token-mean": "seq",
-                "seq-mean-token-sum-norm": "const"}.get(agg)
-        if norm is None:
-            return None
-        scale = config.global_batch_info.get("loss_scale_factor") or T
-        return objectives.get("grpo", eps=(lo, hi), norm=norm,
-                              max_len=scale if norm == "const" else None)
-    if base == "gspo" and agg == "seq-mean-token-mean":
-        return objectives.get("gspo", eps=(lo, hi))
-    return None
-
-
-def dfpo_delta(W: Tensor, batch: TokenBatch, transform: str, nodes: str = "prefix",
-               scope: str = "shared") -> Tensor:
-    """(B, T) W̃ − W = A(w̃ − w), w = W/A on rows with A ≠ 0 (others left out: the TRL drop-in's
-    rule, `DFPOGradientTransform` without weight). W in the loss's units."""
-    node, n = node_map(batch, scope, nodes)
-    A = batch.advantages.to(W.dtype)
-    node = torch.where((A != 0).unsqueeze(-1), node, -1)
-    a = A.unsqueeze(-1)
-    w = torch.where(a != 0, W / torch.where(a != 0, a, 1), 0)
-    return a * (transform_weights(w, A, node, n, transform) - w)
-
-
-def _global_totals(config) -> dict:
-    """TokenBatch normaliser totals from verl's `config.global_batch_info` (engine path), per
-    process: verl scales each process's loss by dp_size because the gradient is averaged."""
-    info = getattr(config, "global_batch_info", None) or {}
-    dp = info.get("dp_size") or 1
-    out = {}
-    if info.get("batch_num_tokens") is not None:
-        out["n_tokens"] = int(info["batch_num_tokens"]) // dp
-    if info.get("global_batch_size") is not None:
-        out["n_seqs"] = int(info["global_batch_size"]) // dp
-    return out
 
 
 # ----------------------------------------------------------------------------- the loss calls
@@ -231,12 +187,11 @@ def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, c
 def _measure(W: Tensor, batch: TokenBatch, config, base: str, agg: str,
              W_base: Tensor | None) -> dict[str, float]:
     """Micro-batch figures (W̃ and W = W_base under DFPO); a ρ is NaN where undefined
-    (`defined_ratio`: no node of its kind, or W ≡ 0 there: every group tied)."""
-    trie = shared_nodes(batch, "trie")
-    full = trie.full_group()
-    c = cancellation(W, batch, sn=full)
-    out = {"rho_full": defined_ratio(c), "rho_trie": defined_ratio(cancellation(W, batch, sn=trie)),
-           "shared_fraction": c.shared_fraction}
+    (no node of its kind, or W ≡ 0 there: every group tied)."""
+    view = WindowView(batch, W)
+    m = measure_window([Residual()], view)  # the loop's residual instrument, on the loss call
+    out = {"rho_full": m["rho_prefix"], "rho_trie": m["rho_trie"],
+           "shared_fraction": m["shared_frac_prefix"]}
     G = config.get("rollout_n") if hasattr(config, "get") else None
     if isinstance(G, int) and G > 0:
         _, sizes = group_index(batch.group)
@@ -250,7 +205,8 @@ def _measure(W: Tensor, batch: TokenBatch, config, base: str, agg: str,
         scale = float(ref.abs().max()) or 1.0  # W ≡ 0: the absolute deviation (0 = agree)
         out["W_dev"] = float((ref.double() - Wc).abs().max()) / scale  # relative to max |W|
     if W_base is not None:
-        out["rho_full_base"] = defined_ratio(cancellation(W_base, batch, sn=full))
+        base = WindowView(batch, W_base, view.nodes())
+        out["rho_full_base"] = measure_window([Residual()], base)["rho_prefix"]
     return out
 
 
@@ -276,10 +232,13 @@ def _record(batch: TokenBatch, W: Tensor, last: bool) -> dict[str, float]:
                     logps=torch.zeros_like(W), old_logps=torch.zeros_like(W),
                     advantages=torch.cat([p["batch"].advantages.double() for p in parts]),
                     group=group, validate=False)
-    trie = shared_nodes(mb, "trie")
-    return {"mini/rho_full": defined_ratio(cancellation(W, mb, sn=trie.full_group())),
-            "mini/rho_trie": defined_ratio(cancellation(W, mb, sn=trie)),
-            "mini/split": split_share(group, micro), "mini/micro_batches": float(len(parts))}
+    view = WindowView(mb, W)
+    m = measure_window([Residual()], view)
+    out = {"mini/rho_full": m["rho_prefix"], "mini/rho_trie": m["rho_trie"],
+           "mini/split": split_share(group, micro), "mini/micro_batches": float(len(parts))}
+    step = _state.minis = getattr(_state, "minis", -1) + 1  # this thread's mini-batch count
+    due = INSTRUMENTS.due(step)  # a user's instruments (`use_instruments`), once per mini-batch
+    return {**out, **{f"mini/{k}": v for k, v in measure_window(due, view).items()}} if due else out
 
 
 def _modulation(loss: Tensor, log_prob: Tensor) -> Tensor:

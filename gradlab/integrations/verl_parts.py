@@ -1,0 +1,72 @@
+"""The pure parts of the verl integration (tensor functions, no verl import): row advantages,
+gradlab's closed form of a verl loss, DFPO's W̃ − W, and verl's global normaliser totals."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..core import objectives
+from ..core.batch import TokenBatch
+from ..core.dfpo import node_map, transform_weights
+
+
+def row_advantages(advantages: Tensor, mask: Tensor, strict: bool, who: str) -> Tensor:
+    """(B,) A_i from verl's (B, T) token advantages: the masked mean of each row.
+
+    strict: raise when a row's advantage is not constant over its tokens (DFPO's w = W/A and
+    its group structure need one A per sequence, as GRPO-type estimators give)."""
+    if advantages.dim() == 1:
+        return advantages.detach()
+    m = mask.to(advantages.dtype)
+    A = (advantages.detach() * m).sum(-1) / m.sum(-1).clamp(min=1)
+    if strict:
+        spread = float(((advantages.detach() - A.unsqueeze(-1)).abs() * m).max()) if m.numel() else 0.0
+        if spread > 1e-6 * (1 + (float(A.abs().max()) if A.numel() else 0.0)):
+            raise ValueError(f"{who}: advantages vary along a response (max spread "
+                             f"{spread:.3g}); DFPO needs one advantage per sequence "
+                             "(a GRPO-type estimator)")
+    return A
+
+
+def closed_form(base: str, agg: str, config, T: int):
+    """gradlab's closed-form objective for verl's `base` loss with `agg`, or None where gradlab
+    has none. Dual clip (clip_ratio_c) of vanilla is not modelled (ratios below 3 agree)."""
+    lo = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    hi = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    if base == "vanilla":
+        norm = {"token-mean": "token", "seq-mean-token-mean": "seq",
+                "seq-mean-token-sum-norm": "const"}.get(agg)
+        if norm is None:
+            return None
+        scale = config.global_batch_info.get("loss_scale_factor") or T
+        return objectives.get("grpo", eps=(lo, hi), norm=norm,
+                              max_len=scale if norm == "const" else None)
+    if base == "gspo" and agg == "seq-mean-token-mean":
+        return objectives.get("gspo", eps=(lo, hi))
+    return None
+
+
+def dfpo_delta(W: Tensor, batch: TokenBatch, transform: str, nodes: str = "prefix",
+               scope: str = "shared") -> Tensor:
+    """(B, T) W̃ − W = A(w̃ − w), w = W/A on rows with A ≠ 0 (others left out: the TRL drop-in's
+    rule, `DFPOGradientTransform` without weight). W in the loss's units."""
+    node, n = node_map(batch, scope, nodes)
+    A = batch.advantages.to(W.dtype)
+    node = torch.where((A != 0).unsqueeze(-1), node, -1)
+    a = A.unsqueeze(-1)
+    w = torch.where(a != 0, W / torch.where(a != 0, a, 1), 0)
+    return a * (transform_weights(w, A, node, n, transform) - w)
+
+
+def _global_totals(config) -> dict:
+    """TokenBatch normaliser totals from verl's `config.global_batch_info` (engine path), per
+    process: verl scales each process's loss by dp_size because the gradient is averaged."""
+    info = getattr(config, "global_batch_info", None) or {}
+    dp = info.get("dp_size") or 1
+    out = {}
+    if info.get("batch_num_tokens") is not None:
+        out["n_tokens"] = int(info["batch_num_tokens"]) // dp
+    if info.get("global_batch_size") is not None:
+        out["n_seqs"] = int(info["global_batch_size"]) // dp
+    return out

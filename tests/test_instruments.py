@@ -1,0 +1,183 @@
+"""Instruments: the registry and its spec, the presets against the run flags, a user's
+instrument in the loop (against an independent computation) and in TRL, and `gradlab view`."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradlab
+import gradlab.instruments as gi
+from gradlab.core import objectives
+from gradlab.core.batch import advantages
+from gradlab.core.nodes import shared_nodes
+from gradlab.loop.config import ConfigError, RunConfig
+from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.scale.dist import Dist
+from gradlab.loop.setup.policy import load_policy
+from gradlab.loop.setup.task import ArithmeticTask
+from gradlab.loop.train import Learner, train
+from gradlab.loop.update.metrics import StepMetrics
+from gradlab.loop.update.step import StepWork, optimizer_step
+from gradlab.viz.html import view
+
+ROOT = Path(__file__).parents[1]
+OWN = f"{ROOT / 'examples' / 'own_instrument.py'}:SharedMass"
+SMALL = dict(objectives=["grpo", "gspo"], steps=3, prompts=3, G=4, minibatches=2, tax_every=2,
+             eval_every=0, probe_contexts=4, progress=False, ckpt_every=100)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if not k.startswith("time_"):
+                assert x[k] == y[k] or (x[k] != x[k] and y[k] != y[k]), k  # NaN == NaN
+
+
+def test_registry_lists_every_builtin_and_names_what_is_wrong():
+    assert {"modulation", "residual", "same_batch", "attribution", "tax", "drift",
+            "drift_divergent", "flips"} <= set(gi.available())
+    got = gi.resolve("cheap,tax@10,flips@off")
+    assert [i.name for i in got] == ["modulation", "residual", "tax", "flips"]
+    assert got[2].schedule.every == 10 and not got[3].schedule.enabled
+    assert [i.schedule.every for i in gi.resolve("default", heavy_every=3)] == [1, 1, 3, 3, 1, 3]
+    for bad, match in (("nope", "unknown instrument 'nope'"), ("tax@x", "schedule 'x'"),
+                       ("default@2", "preset takes no @"),
+                       ("gradlab.core.objectives:get", "not a gradlab.instruments.Instrument"),
+                       (f"{ROOT / 'examples' / 'own_instrument.py'}:Nope", "no callable 'Nope'")):
+        with pytest.raises(ValueError, match=match):
+            gi.resolve(bad)
+
+    class Twin(gi.Instrument):
+        name = "residual"
+
+    with pytest.raises(ValueError, match="already"):
+        gi.register(Twin)
+
+
+def test_presets_equal_the_run_flags(tmp_path):
+    """"default" is what a run measures unless told (probes, drift, tax every tax_every), and
+    "full" adds the token-flip ledger (flips=True): the same metrics, bitwise."""
+    train(RunConfig(out=str(tmp_path / "flags"), **SMALL))
+    train(RunConfig(out=str(tmp_path / "default"), instruments="default", **SMALL))
+    _same(_rows(tmp_path / "flags"), _rows(tmp_path / "default"))
+    train(RunConfig(out=str(tmp_path / "flips"), flips=True, **{**SMALL, "steps": 1}))
+    train(RunConfig(out=str(tmp_path / "full"), instruments="full", **{**SMALL, "steps": 1}))
+    _same(_rows(tmp_path / "flips"), _rows(tmp_path / "full"))
+    off = _rows(tmp_path / "flags")[0].keys() - {"rho_prefix", "tax_share"}
+    cheap = tmp_path / "cheap"
+    train(RunConfig(out=str(cheap), instruments="cheap", **{**SMALL, "steps": 1}))
+    row = _rows(cheap)[0]
+    assert "rho_prefix" in row and "tax_share" not in row and "drift_node_kl_mean" not in row
+    assert off  # the flags' run measured more
+    names = [r["name"] for r in json.loads((cheap / "instruments.json").read_text())]
+    assert names == ["modulation", "residual"]
+    with pytest.raises(ConfigError, match="--instruments"):
+        train(RunConfig(out=str(tmp_path / "bad"), instruments="nope", **SMALL))
+
+
+@pytest.fixture(scope="module")
+def step():
+    model, tok = load_policy()
+    ro = generate(model, tok, ArithmeticTask().problems(4, seed=3), G=4, max_new_tokens=12,
+                  row_keys=torch.arange(16))
+    ro.rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0])
+    return model, ro
+
+
+def _measured(model, ro, inst: gi.Instrument) -> dict:
+    """One real optimizer step of GSPO on every row, measured by `inst` alone."""
+    import copy
+
+    m = copy.deepcopy(model).train()
+    learner = Learner("gspo", objectives.get("gspo"), m, torch.optim.SGD(m.parameters(), lr=0.1),
+                      torch.Generator())
+    acc = StepMetrics()
+    work = StepWork(ro, advantages(ro.rewards, ro.group), torch.arange(16), 0)
+    optimizer_step(learner, RunConfig(G=4, progress=False), work, acc, gi.InstrumentSet([inst]),
+                   Dist())
+    return acc.finish()
+
+
+def _reference(model, ro) -> float:
+    """Independently: W in closed form on the same batch, full-group nodes, float64 sums."""
+    from gradlab.loop.numerics.logprobs import token_logps
+
+    rows = torch.arange(16)
+    with torch.no_grad():
+        lp = token_logps(model.train(), ro.prompt_ids, ro.prompt_mask, ro.response_ids,
+                         ro.response_mask)
+    b = gradlab.TokenBatch(ro.response_ids, ro.response_mask, lp, ro.old_logps,
+                           advantages(ro.rewards, ro.group), ro.group[rows])
+    W = objectives.get("gspo").modulation(b).double().abs() * b.mask
+    at = shared_nodes(b, "prefix").node >= 0
+    return float((W * at).sum() / W.sum())
+
+
+def test_own_instrument_equals_an_independent_computation(step):
+    from examples_own import load
+
+    own = load()
+    model, ro = step
+    got = _measured(model, ro, own())["shared_mass_share"]
+    ref = _reference(model, ro)
+    assert 0 < ref < 1 and got == pytest.approx(ref, rel=1e-5)
+
+    class Misplaced(own):  # an injected bug: trie nodes where full-group nodes were meant
+        def measure(self, view):
+            shared = view.nodes()["trie"].node >= 0
+            mass = view.W.abs() * view.batch.mask
+            return gi.Readings(sums={"shared_mass": (mass * shared).sum(), "total_mass": mass.sum()})
+
+    assert _measured(model, ro, Misplaced())["shared_mass_share"] != pytest.approx(ref, rel=1e-5)
+
+
+def test_own_instrument_in_the_loop_is_scheduled_and_drawn(tmp_path):
+    run = tmp_path / "run"
+    train(RunConfig(out=str(run), instruments=f"cheap,{OWN}@2", **SMALL))
+    rows = _rows(run)
+    have = {(r["objective"], r["step"]): r.get("shared_mass_share") for r in rows}
+    assert all(v is not None and 0 <= v <= 1 for (o, s), v in have.items() if s % 2 == 0)
+    assert all(v is None for (o, s), v in have.items() if s % 2)  # @2: steps 0, 2 only
+    man = json.loads((run / "instruments.json").read_text())
+    assert man[-1]["curves"] == [["shared_mass_share", "share of |W| on full-group tokens"]]
+    page = view(run).read_text()
+    assert "share of |W| on full-group tokens" in page  # its panel in the page's SVG
+
+
+def test_own_instrument_in_trl_equals_the_window_computation(tmp_path):
+    pytest.importorskip("trl")
+    from test_trl import run as trl_run
+
+    from gradlab.integrations.trl import GradlabConfig
+
+    gl = GradlabConfig(store=str(tmp_path / "store"), keep_windows=True, instruments=OWN)
+    tr = trl_run(tmp_path, "dr_grpo", "token", gl=gl)
+    assert tr.gradlab_windows
+    for w in tr.gradlab_windows:
+        W = w.W.double().abs() * w.batch.mask
+        at = shared_nodes(w.batch, "prefix").node >= 0
+        ref = float((W * at).sum() / W.sum()) if float(W.sum()) else math.nan
+        # the instrument sums W in its float32, the reference in float64: round-off only
+        assert w.metrics["shared_mass_share"] == pytest.approx(ref, rel=1e-6, nan_ok=True)
+    logged = gradlab.load_run(tmp_path / "store", wide=True)
+    assert "shared_mass_share" in logged.columns
+    assert "share of |W| on full-group tokens" in view(tmp_path / "store").read_text()
+    with pytest.raises(ValueError, match="needs grads, model"):
+        GradlabConfig(instruments="tax")
+
+
+def test_the_guide_shows_the_example_as_it_runs():
+    ex = (ROOT / "examples" / "own_instrument.py").read_text()
+    page = (ROOT / "docs" / "guides" / "own-instrument.md").read_text()
+    assert ex[ex.index("import gradlab.instruments"):] in page
+    body = ex[ex.index("@gi.register"):]
+    assert len([x for x in body.splitlines() if x.strip()]) <= 22  # about 20 lines
