@@ -12,7 +12,7 @@ case). gradlab's loop, the TRL trainer and verl's actor run the same objects.
     class Spread(gi.Instrument): ...       # your own (docs/guides/own-instrument.md)
 """
 
-from .base import NEEDS, Derived, Instrument, Ratio, Readings, check_needs, div
+from .base import NEEDS, Derived, Instrument, Ratio, Readings, check_needs, div, reduce_readings
 from .builtin import (
     Attribution,
     DivergentDrift,
@@ -31,5 +31,5 @@ from .set import InstrumentSet
 __all__ = [
     "NEEDS", "PRESETS", "Attribution", "Derived", "DivergentDrift", "Drift", "Flips", "Instrument",
     "InstrumentSet", "Modulation", "Ratio", "Readings", "Residual", "SameBatch", "Schedule", "Tax",
-    "available", "check_needs", "div", "register", "resolve", "residual_sums",
+    "available", "check_needs", "div", "reduce_readings", "register", "resolve", "residual_sums",
 ]

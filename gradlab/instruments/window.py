@@ -4,15 +4,13 @@ same instrument objects as gradlab's loop once on the whole window."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..core.batch import TokenBatch
 from ..core.nodes import shared_nodes
-from .base import Instrument
+from .base import Instrument, reduce_readings
 
 OFFERED = frozenset({"W", "batch"})  # a window holds no model forwards of its own
 
@@ -38,24 +36,9 @@ class WindowView:
 
 
 def measure_window(instruments: list[Instrument], view: WindowView) -> dict[str, float]:
-    """Run `instruments` once on a whole window and finalize their numbers: {metric: float}.
-    Sums and maxima are the window's own; a mean is the value, NaN where undefined; each
-    instrument's ratios (`quantities`) are NaN where their denominator is 0. n_tokens (the
-    window's response tokens) is there for ratios per token."""
-    from .base import Readings
-
-    r = Readings()
-    for inst in instruments:
-        r.update(inst.measure(view))
-    totals = {k: _float(v) for k, v in {**r.sums, **r.maxes}.items()}
-    for k, (v, defined) in r.means.items():
-        totals[k] = _float(v) if defined is None or bool(defined) else math.nan
-    totals.setdefault("n_tokens", float(view.batch.mask.sum()))
-    out = dict(totals)
-    for q in (q for inst in instruments for q in inst.quantities()):
-        q.apply(totals, out)
-    return out
-
-
-def _float(v) -> float:
-    return float(v.double()) if torch.is_tensor(v) else float(v)
+    """Run `instruments` once on a whole window and finalize their numbers: {metric: float}
+    (`reduce_readings` of the one step). n_tokens (the window's response tokens) is there for
+    ratios per token."""
+    parts = [inst.measure(view) for inst in instruments]
+    quantities = [q for inst in instruments for q in inst.quantities()]
+    return reduce_readings(parts, quantities, {"n_tokens": float(view.batch.mask.sum())})

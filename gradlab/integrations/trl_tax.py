@@ -25,7 +25,6 @@ Cost: one forward + backward over ≤ B/G rows × the longest shared prefix, per
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -33,6 +32,7 @@ from torch import Tensor
 
 from ..core.batch import TokenBatch
 from ..core.nodes import shared_nodes
+from ..instruments import Tax, reduce_readings
 from ..probes.tax import layer_groups, residual_grad_outputs, tax_grads, tax_report
 
 FIGURES = ("tax_share", "tax_cos", "tax_norm", "total_norm")
@@ -81,20 +81,20 @@ class TRLTaxProbe:
         row.update({f"tax_share/{grp}": float(v["tax_share"]) for grp, v in rep["groups"].items()})
         row["time_tax"] = self._time
         self.steps.append(row)
-        self._pending.append(row)
+        r = Tax.readings(rep)  # the loop's tax instrument: how a step's figures reduce
+        r.mean("n_nodes", float(self._nodes))
+        r.mean("time_tax", self._time)
+        self._pending.append(r)
         self._g, self._nodes, self._time = None, 0, 0.0
 
     def drain(self) -> dict[str, float]:
-        """The window's figures from its taxed steps (empty when none): each ratio averaged over
-        the steps where it is defined (NaN when none is), tax_steps their count."""
-        rows, self._pending = self._pending, []
-        if not rows:
+        """The window's figures from its taxed steps (empty when none), reduced as the loop's
+        `tax` instrument does: each share averaged over the steps where it is defined (NaN
+        when none is), the norms over every step; tax_steps their count."""
+        parts, self._pending = self._pending, []
+        if not parts:
             return {}
-        out = {"tax_steps": float(len(rows))}
-        for k in sorted({k for r in rows for k in r} - {"global_step"}):
-            vals = [r[k] for r in rows if k in r and not math.isnan(r[k])]
-            out[k] = sum(vals) / len(vals) if vals else math.nan
-        return out
+        return {"tax_steps": float(len(parts)), **reduce_readings(parts)}
 
 
 def call_batch(trainer, part: dict) -> TokenBatch:

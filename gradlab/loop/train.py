@@ -40,25 +40,12 @@ from .setup.heldout import TrainSplit, eval_problems, evaluate_heldout
 from .setup.policy import load_policy
 from .setup.realmodel import format_problems, prepare_run
 from .setup.task import BUILTIN_TASKS, check_encodable, get_task
+from .update.learner import Learner
 from .update.metrics import StepMetrics
 from .update.probeset import probe_metrics, probe_set
 from .update.step import StepWork, loop_instruments, minibatches, optimizer_step
 
 EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected", "time_eval")
-
-
-@dataclass
-class Learner:
-    """One objective's training state."""
-
-    name: str
-    objective: objectives.Objective
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    gen: torch.Generator
-    tokens: int = 0  # response tokens consumed so far
-    tracer: TraceWriter | None = None  # token traces (loop/runs/traces.py)
-    step: int = 0  # the rollout step in progress (named by the non-finite guard)
 
 
 def make_learners(cfg: RunConfig, model, names: list[str]) -> list[Learner]:

@@ -1,7 +1,7 @@
 """The non-finite guard: a diverged step stops the run (or is skipped), never reads as success.
 
-Before each optimizer step `admit` checks the loss and every gradient; after it, an optimizer
-post-hook checks every parameter. On a non-finite value:
+Before each optimizer step `admit` checks the loss and every gradient; after it,
+`check_update` checks every parameter. On a non-finite value:
 
   --on-nonfinite stop  (default) raise `NonFiniteError` naming the step, the objective and what
                        went bad; `gradlab` prints that one line and exits with code 3. Nothing
@@ -15,6 +15,8 @@ in memory): that is what makes "skip" exact. Stop mode copies nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -57,34 +59,51 @@ def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return ok if bool(ok) else torch.isfinite(_max_abs(local))
 
 
-def _where(L) -> str:
-    return f"step {getattr(L, 'step', '?')}, objective {L.name}"
+@dataclass
+class Admitted:
+    """`admit`'s verdict that the update may go ahead. snapshot: parameters and optimizer
+    state to put back if the update itself makes a parameter non-finite (skip mode; None in
+    stop mode). Owned by the step that holds it, never stored on the learner."""
+
+    snapshot: tuple[list[torch.Tensor], dict] | None = None
 
 
-def admit(L, cfg, loss: torch.Tensor, acc) -> bool:
-    """Check the loss and the gradients of learner L before its optimizer step.
+def admit(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg, loss: torch.Tensor, acc,
+          where: str) -> Admitted | None:
+    """Check the loss and the gradients of `model` before `opt`'s step.
 
-    Returns True when the update may go ahead. Non-finite: raises `NonFiniteError` (stop) or
-    clears the gradients, counts the step in `acc` and returns False (skip).
+    Returns `Admitted` when the update may go ahead (then call `check_update` after
+    `opt.step()`), None when it is skipped. Non-finite: raises `NonFiniteError` naming
+    `where` (stop), or clears the gradients, counts the step in `acc` and returns None (skip).
     """
-    _install(L, cfg, acc)
-    grads = [p.grad for p in L.model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     ok_loss, ok_grad = _agree(acc, torch.stack([torch.isfinite(loss.detach().float()).all(),
                                                 _all_finite(grads).to(loss.device)]))
-    L._gl_acc = acc  # where the post-hook counts a skipped step
     if ok_loss and ok_grad:
-        if cfg.on_nonfinite == "skip":
-            L._gl_snapshot = _snapshot(L)
         _count(acc, 0)
-        return True
+        return Admitted(_snapshot(opt) if cfg.on_nonfinite == "skip" else None)
     what = "loss" if not ok_loss else "gradient"
     if cfg.on_nonfinite == "stop":
-        raise NonFiniteError(f"{_where(L)}: non-finite {what} (loss {float(loss.detach()):.4g}); the run "
+        raise NonFiniteError(f"{where}: non-finite {what} (loss {float(loss.detach()):.4g}); the run "
                              "is stopped, its last checkpoint is the last good state "
                              "(lower --lr, or --on-nonfinite skip to drop such updates)")
-    L.opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)
     _count(acc, 1)
-    return False
+    return None
+
+
+def check_update(opt: torch.optim.Optimizer, cfg, admitted: Admitted, acc, where: str) -> None:
+    """After `opt.step()`: every parameter finite, else stop (raise) or put back the admitted
+    snapshot and count the optimizer step as skipped."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if _agree(acc, _all_finite(params).reshape(1))[0]:
+        return
+    if cfg.on_nonfinite == "stop":
+        raise NonFiniteError(f"{where}: the update made a parameter non-finite; the run "
+                             "is stopped, its last checkpoint is the last good state "
+                             "(lower --lr, or --on-nonfinite skip to drop such updates)")
+    _restore(opt, admitted.snapshot)
+    acc.sums["nonfinite_steps"][-1] = torch.tensor(1.0 if acc.D.main else 0.0)
 
 
 def _agree(acc, ok: torch.Tensor) -> list[bool]:
@@ -101,43 +120,20 @@ def _count(acc, n: int) -> None:
     acc.sums["nonfinite_steps"].append(torch.tensor(float(n) if acc.D.main else 0.0))
 
 
-def _install(L, cfg, acc) -> None:
-    """Once per learner: the parameter check after each optimizer step."""
-    if getattr(L, "_gl_guarded", None) is L.opt:
-        return
-    L._gl_guarded = L.opt
-
-    def after_step(opt, args, kwargs) -> None:
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if _agree(L._gl_acc, _all_finite(params).reshape(1))[0]:
-            L._gl_snapshot = None
-            return
-        if cfg.on_nonfinite == "stop":
-            raise NonFiniteError(f"{_where(L)}: the update made a parameter non-finite; the run "
-                                 "is stopped, its last checkpoint is the last good state "
-                                 "(lower --lr, or --on-nonfinite skip to drop such updates)")
-        _restore(L, L._gl_snapshot)
-        L._gl_snapshot = None
-        acc_now = L._gl_acc
-        acc_now.sums["nonfinite_steps"][-1] = torch.tensor(1.0 if acc_now.D.main else 0.0)
-
-    L.opt.register_step_post_hook(after_step)
-
-
-def _snapshot(L) -> tuple[list[torch.Tensor], dict]:
-    params = [p.detach().clone() for g in L.opt.param_groups for p in g["params"]]
+def _snapshot(opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], dict]:
+    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
     state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-             for p, s in L.opt.state.items()}
+             for p, s in opt.state.items()}
     return params, state
 
 
 @torch.no_grad()
-def _restore(L, snap) -> None:
+def _restore(opt: torch.optim.Optimizer, snap) -> None:
     params, state = snap
-    for p, old in zip((p for g in L.opt.param_groups for p in g["params"]), params):
+    for p, old in zip((p for g in opt.param_groups for p in g["params"]), params):
         p.copy_(old)
-    for p in list(L.opt.state):
+    for p in list(opt.state):
         if p in state:
-            L.opt.state[p] = state[p]
+            opt.state[p] = state[p]
         else:
-            del L.opt.state[p]
+            del opt.state[p]

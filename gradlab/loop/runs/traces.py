@@ -226,11 +226,12 @@ def _read_trace(path: Path) -> pd.DataFrame | None:
         return None
 
 
-def record_trace(L, ro, rows: Tensor, batch: TokenBatch, W: Tensor | None) -> None:
-    """The loop's one call (gradlab.loop.update.step): hand an optimizer step to learner L's writer."""
-    tracer = getattr(L, "tracer", None)
+def record_trace(tracer: TraceWriter | None, objective, ro, rows: Tensor, batch: TokenBatch,
+                 W: Tensor | None) -> None:
+    """The loop's one call (gradlab.loop.update.step): hand an optimizer step to the learner's
+    writer (None: the learner is not traced)."""
     if tracer is not None:
-        tracer.record(ro, rows, batch, W, L.objective)
+        tracer.record(ro, rows, batch, W, objective)
 
 
 def trace_window(run: str | Path, objective: str, window, tok=None, groups: int = 2) -> Path | None:

@@ -24,7 +24,7 @@ from ...core.batch import TokenBatch
 from ...instruments import Instrument, InstrumentSet
 from ...probes import ModulationProbe
 from ..config import RunConfig
-from ..faults.guard import admit
+from ..faults.guard import admit, check_update
 from ..numerics.logprobs import token_logps
 from ..numerics.precision import amp_context
 from ..rollouts.layouts import batch_repair_of
@@ -33,6 +33,7 @@ from ..runs.traces import record_trace
 from ..scale.dist import Dist, unwrap
 from ..scale.fsdp import FullGrads, gathered, is_sharded
 from .batches import micro_batches, minibatches  # noqa: F401  (the loop imports them from here)
+from .learner import Learner
 from .metrics import StepMetrics
 from .view import StepView, loop_instruments  # noqa: F401  (loop_instruments: the loop's set)
 
@@ -48,7 +49,7 @@ class StepWork:
     step: int
 
 
-def optimizer_step(learner, cfg: RunConfig, work: StepWork, acc: StepMetrics,
+def optimizer_step(learner: Learner, cfg: RunConfig, work: StepWork, acc: StepMetrics,
                    instruments: InstrumentSet, dist: Dist) -> None:
     """One optimizer step of `learner` on `work`, measured by the due `instruments`.
 
@@ -62,8 +63,10 @@ def optimizer_step(learner, cfg: RunConfig, work: StepWork, acc: StepMetrics,
     view = StepView(learner.model, cfg, rollout, rows, dist, objective=learner.objective)
     t0 = time.perf_counter()
     loss = _forward_backward(learner, cfg, work, view, instruments, dist)
-    if (rows.numel() or dist.fsdp) and not admit(learner, cfg, loss, acc):
-        return  # non-finite loss/gradient: stop or skip (loop/faults/guard.py)
+    guarded = bool(rows.numel()) or dist.fsdp  # FSDP: the ranks agree on a non-finite shard
+    admitted = admit(learner.model, learner.opt, cfg, loss, acc, learner.where) if guarded else None
+    if guarded and admitted is None:
+        return  # a non-finite loss or gradient, skipped (loop/faults/guard.py)
     if not view.idle and view.W is not None and dist.main \
             and hasattr(learner.objective, "check_closed_form"):
         _say(learner.objective.check_closed_form(view.batch, view.W))  # a user loss, once
@@ -75,7 +78,7 @@ def optimizer_step(learner, cfg: RunConfig, work: StepWork, acc: StepMetrics,
         acc.add_basic(view.batch, view.entropy, loss, learner.objective.stats(view.batch))
         acc.add_advantages(view.trained)  # the advantages W is built from (IBPO: per token)
         acc.record(instruments.measure(view, work.step))
-        record_trace(learner, rollout, rows, view.trained, view.W)  # on traced steps
+        record_trace(learner.tracer, learner.objective, rollout, rows, view.trained, view.W)
     dist.fix_grads(learner.model)
     updating = instruments.due(work.step, "update")
     taxed = any("grads" in i.needs for i in updating)
@@ -88,6 +91,8 @@ def optimizer_step(learner, cfg: RunConfig, work: StepWork, acc: StepMetrics,
     t2 = time.perf_counter()
     acc.add_scalar("grad_norm", _clip(learner, cfg))
     learner.opt.step()
+    if admitted is not None:  # a parameter the update made non-finite: stop or put back
+        check_update(learner.opt, cfg, admitted, acc, learner.where)
     learner.opt.zero_grad(set_to_none=True)
     acc.time("update", t2)
     if _overrides(updating, "after"):
@@ -98,7 +103,7 @@ def optimizer_step(learner, cfg: RunConfig, work: StepWork, acc: StepMetrics,
         acc.time("probes", t3)
 
 
-def _forward_backward(learner, cfg: RunConfig, work: StepWork, view: StepView,
+def _forward_backward(learner: Learner, cfg: RunConfig, work: StepWork, view: StepView,
                       instruments: InstrumentSet, dist: Dist) -> torch.Tensor:
     """Phase 1: every micro-batch's forward/backward, gradients accumulated; fills the view's
     batch, W and entropy. An idle rank runs zero-loss passes only. Returns the step's loss."""
@@ -130,47 +135,47 @@ def _say(line: str | None) -> None:
         print(f"gradlab: warning: {line}", file=sys.stderr, flush=True)
 
 
-def _local_forwards(L, on: bool, grad: bool = False):
+def _local_forwards(learner: Learner, on: bool, grad: bool = False):
     """Under FSDP, a block of forwards whose number differs per rank runs on gathered full
     weights (`gradlab.loop.scale.fsdp.gathered`: one all-gather that every rank joins, so `on` must
     be the same on all ranks); otherwise nothing."""
-    return gathered(L.model, grad) if on and is_sharded(L.model) else contextlib.nullcontext()
+    return gathered(learner.model, grad) if on and is_sharded(learner.model) else contextlib.nullcontext()
 
 
-def _grads_for_tax(L, taxed: bool):
+def _grads_for_tax(learner: Learner, taxed: bool):
     """What `reduce_tax` reads the step's gradient from: the model, or under FSDP its
     gradients all-gathered (`FullGrads`, a collective every rank joins when `taxed`)."""
-    return FullGrads(L.model) if taxed and is_sharded(L.model) else unwrap(L.model)
+    return FullGrads(learner.model) if taxed and is_sharded(learner.model) else unwrap(learner.model)
 
 
-def _clip(L, cfg: RunConfig) -> torch.Tensor:
+def _clip(learner: Learner, cfg: RunConfig) -> torch.Tensor:
     """Clip the gradient norm to `cfg.grad_clip`; returns the norm before clipping (a plain
     tensor: FSDP's sharded gradients give a replicated DTensor, made full here)."""
-    norm = torch.nn.utils.clip_grad_norm_(L.model.parameters(), cfg.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(learner.model.parameters(), cfg.grad_clip)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _lockstep_passes(cfg: RunConfig, ro: Rollout, rows: torch.Tensor, D: Dist) -> int:
+def _lockstep_passes(cfg: RunConfig, rollout: Rollout, rows: torch.Tensor, dist: Dist) -> int:
     """Micro-batch forward/backward passes this rank runs in the step: its own count, or under
     FSDP (every forward a collective) the largest count over ranks — fewer groups are padded
     with zero-loss passes (`_zero_pass`)."""
-    n = len(micro_batches(ro.group[rows], cfg.micro_batch, cfg.G)) if rows.numel() else 0
-    if not D.fsdp:
+    n = len(micro_batches(rollout.group[rows], cfg.micro_batch, cfg.G)) if rows.numel() else 0
+    if not dist.fsdp:
         return n
-    return int(D.max(torch.tensor(n, device=ro.group.device)))
+    return int(dist.max(torch.tensor(n, device=rollout.group.device)))
 
 
-def _zero_pass(L, cfg: RunConfig, ro: Rollout) -> None:
+def _zero_pass(learner: Learner, cfg: RunConfig, rollout: Rollout) -> None:
     """A forward/backward on one row of this rank's rollout with loss × 0: it joins the ranks'
     gradient reduction (DDP's all-reduce, FSDP's all-gathers and reduce-scatter) and adds 0."""
-    one = torch.arange(1, device=ro.group.device)
+    one = torch.arange(1, device=rollout.group.device)
     with amp_context(cfg):
-        logps = token_logps(L.model, ro.prompt_ids[one], ro.prompt_mask[one], ro.response_ids[one],
-                            ro.response_mask[one], cfg.temperature)
+        logps = token_logps(learner.model, rollout.prompt_ids[one], rollout.prompt_mask[one], rollout.response_ids[one],
+                            rollout.response_mask[one], cfg.temperature)
     (0.0 * logps.sum()).backward()
 
 
-def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.Tensor,
+def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor,
                 norms: tuple[int, int, int], passes: int = 0, watch: bool | None = None) -> tuple[
                     TokenBatch, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Forward/backward of every micro-batch of the step, gradients accumulated in `.grad`.
@@ -185,50 +190,51 @@ def _accumulate(L, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.T
     the micro-batch losses = the one-pass loss).
     """
     watch = cfg.probes if watch is None else watch
-    B, T = rows.numel(), ro.response_ids.shape[1]
-    dev = ro.response_ids.device
+    B, T = rows.numel(), rollout.response_ids.shape[1]
+    dev = rollout.response_ids.device
     logps = torch.zeros(B, T, device=dev)
     ent = torch.zeros(B, T, device=dev)
     W = torch.zeros(B, T, device=dev) if watch else None
     loss = torch.zeros((), device=dev)
-    parts = micro_batches(ro.group[rows], cfg.micro_batch, cfg.G)
-    for k, p in enumerate(parts):
-        r = rows[p]
-        used = ro.response_mask[r].any(0).nonzero()
+    parts = micro_batches(rollout.group[rows], cfg.micro_batch, cfg.G)
+    for k, part in enumerate(parts):
+        r = rows[part]  # (b,) this micro-batch's rollout rows
+        used = rollout.response_mask[r].any(0).nonzero()
         t = int(used.max()) + 1 if used.numel() else 1
         last = k == len(parts) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(L.model, "no_sync") else L.model.no_sync()
+        no_sync = not last and hasattr(learner.model, "no_sync")  # DDP: all-reduce on the last
+        sync = learner.model.no_sync() if no_sync else contextlib.nullcontext()
         with sync:
             with amp_context(cfg):
-                lp, e = token_logps(L.model, ro.prompt_ids[r], ro.prompt_mask[r],
-                                    ro.response_ids[r, :t], ro.response_mask[r, :t],
+                lp, e = token_logps(learner.model, rollout.prompt_ids[r], rollout.prompt_mask[r],
+                                    rollout.response_ids[r, :t], rollout.response_mask[r, :t],
                                     cfg.temperature, return_entropy=True, entropy_grad=False)
-            mb = rows_batch(ro, r, lp, adv, norms, t)
+            mb = rows_batch(rollout, r, lp, adv, norms, t)
             with ModulationProbe(enabled=watch) as probe:
-                part_loss = L.objective.loss(mb.replace(logps=probe.watch(lp)))
+                part_loss = learner.objective.loss(mb.replace(logps=probe.watch(lp)))
                 part_loss.backward()
-        logps[p, :t] = lp.detach().to(logps.dtype)
-        ent[p, :t] = e.detach().to(ent.dtype)
+        logps[part, :t] = lp.detach().to(logps.dtype)
+        ent[part, :t] = e.detach().to(ent.dtype)
         if W is not None:
-            W[p, :t] = probe.W.to(W.dtype)
+            W[part, :t] = probe.W.to(W.dtype)
         loss = loss + part_loss.detach()
         # the entropy's graph is not freed by the loss's backward: drop it before the next
         # micro-batch's forward, so at most one micro-batch's activations are ever alive
         del lp, e, part_loss, mb, probe
     for _ in range(passes - len(parts)):  # FSDP lock-step: as many passes as the busiest rank
-        _zero_pass(L, cfg, ro)
-    return rows_batch(ro, rows, logps, adv, norms), W, ent, loss
+        _zero_pass(learner, cfg, rollout)
+    return rows_batch(rollout, rows, logps, adv, norms), W, ent, loss
 
 
-def rows_batch(ro: Rollout, rows: torch.Tensor, logps: torch.Tensor, adv: torch.Tensor,
+def rows_batch(rollout: Rollout, rows: torch.Tensor, logps: torch.Tensor, adv: torch.Tensor,
                norms: tuple[int, int, int], t: int | None = None) -> TokenBatch:
     """The TokenBatch of rollout rows `rows` (B,), cut to the first t positions: logps (B, t),
     sequence advantages adv (N,), rewards, and `repair_of` renumbered into this batch's rows
     (−1 where the corrected row is not among them); norms: the step's normaliser totals."""
-    t = ro.response_ids.shape[1] if t is None else t
-    ref = batch_repair_of(ro.repair_of, rows)
-    rewards = ro.rewards[rows] if ro.rewards is not None else None
-    return TokenBatch(ro.response_ids[rows, :t], ro.response_mask[rows, :t], logps,
-                      ro.old_logps[rows, :t], adv[rows], ro.group[rows], rewards=rewards,
+    t = rollout.response_ids.shape[1] if t is None else t
+    ref = batch_repair_of(rollout.repair_of, rows)
+    rewards = rollout.rewards[rows] if rollout.rewards is not None else None
+    return TokenBatch(rollout.response_ids[rows, :t], rollout.response_mask[rows, :t], logps,
+                      rollout.old_logps[rows, :t], adv[rows], rollout.group[rows], rewards=rewards,
                       repair_of=ref, n_seqs=norms[0], n_tokens=norms[1], width=norms[2],
                       validate=False)
