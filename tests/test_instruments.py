@@ -93,16 +93,17 @@ def step():
     return model, ro
 
 
-def _measured(model, ro, inst: gi.Instrument) -> dict:
-    """One real optimizer step of GSPO on every row, measured by `inst` alone."""
+def _measured(model, ro, inst, lr: float = 0.1) -> dict:
+    """One real optimizer step (SGD) of GSPO on every row, measured by `inst` (one or a list)."""
     import copy
 
     m = copy.deepcopy(model).train()
-    learner = Learner("gspo", objectives.get("gspo"), m, torch.optim.SGD(m.parameters(), lr=0.1),
+    learner = Learner("gspo", objectives.get("gspo"), m, torch.optim.SGD(m.parameters(), lr=lr),
                       torch.Generator())
+    insts = inst if isinstance(inst, list) else [inst]
     acc = StepMetrics()
     work = StepWork(ro, advantages(ro.rewards, ro.group), torch.arange(16), 0)
-    optimizer_step(learner, RunConfig(G=4, progress=False), work, acc, gi.InstrumentSet([inst]),
+    optimizer_step(learner, RunConfig(G=4, progress=False), work, acc, gi.InstrumentSet(insts),
                    Dist())
     return acc.finish()
 
@@ -181,3 +182,21 @@ def test_the_guide_shows_the_example_as_it_runs():
     assert ex[ex.index("import gradlab.instruments"):] in page
     body = ex[ex.index("@gi.register"):]
     assert len([x for x in body.splitlines() if x.strip()]) <= 22  # about 20 lines
+
+
+def test_fisher_kl_is_the_drift_kl_and_the_quadratic_form_on_a_small_step(step):
+    """The Fisher instrument's KL (float64, functional forward) equals the drift instrument's
+    KL at the same nodes (float32, the loop's batched forward); on a small step it equals
+    ½ δᵀFδ (Prop. 3.1), on a large one it does not."""
+    model, ro = step
+    out = _measured(model, ro, [gi.Drift(), gi.Fisher(nodes=1000)], lr=0.3)
+    assert out["fisher_nodes"] == out["drift_node_kl_count"] > 0  # every node, both
+    kl = out["fisher_kl_sum"] / out["fisher_nodes"]
+    assert kl > 0 and kl == pytest.approx(out["drift_node_kl_mean"], rel=1e-3)
+    small = _measured(model, ro, gi.Fisher(nodes=4), lr=1e-3)
+    assert small["fisher_nodes"] == 4 and small["fisher_kl_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert abs(out["fisher_kl_ratio"] - 1) > abs(small["fisher_kl_ratio"] - 1)
+    with pytest.raises(ValueError, match="--fsdp"):
+        from gradlab.loop.update.view import loop_instruments
+
+        loop_instruments(RunConfig(fsdp=True, instruments="fisher"))

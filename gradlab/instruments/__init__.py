@@ -17,6 +17,7 @@ from .builtin import (
     Attribution,
     DivergentDrift,
     Drift,
+    Fisher,
     Flips,
     Modulation,
     Residual,
@@ -29,7 +30,7 @@ from .schedule import Schedule
 from .set import InstrumentSet
 
 __all__ = [
-    "NEEDS", "PRESETS", "Attribution", "Derived", "DivergentDrift", "Drift", "Flips", "Instrument",
+    "NEEDS", "PRESETS", "Attribution", "Derived", "DivergentDrift", "Drift", "Fisher", "Flips", "Instrument",
     "InstrumentSet", "Modulation", "Ratio", "Readings", "Residual", "SameBatch", "Schedule", "Tax",
     "available", "check_needs", "div", "reduce_readings", "register", "resolve", "residual_sums",
 ]

@@ -209,3 +209,35 @@ class Flips(Instrument):
 
     def quantities(self) -> list:
         return [Derived(FLIPS, flip_shares, "no token in the cell; flipped_share of A = 0 tokens")]
+
+
+class Fisher(Instrument):
+    """Is the step small? Prop. 3.1 at a sample of full-group nodes: the measured
+    KL(π_θ ‖ π_θ+δ) of the step δ just taken against ½ δᵀF(h)δ, the Fisher's quadratic form
+    (float64, one forward-mode pass per node context; `gradlab.probes.fisher`). Their ratio
+    `fisher_kl_ratio` → 1 on small steps; far from 1: the step is not in the quadratic regime.
+    Holds a copy of θ across the step and a float64 copy of the model while it measures."""
+
+    name = "fisher"
+    needs = frozenset({"batch", "model"})
+    phase, cost = "update", "forward"
+    curves = (("fisher_kl_ratio", "KL / ½ δᵀFδ at shared contexts (Prop. 3.1)"),)
+
+    def __init__(self, schedule=None, nodes: int = 8) -> None:
+        super().__init__(schedule)
+        self.nodes = nodes  # node contexts measured per optimizer step (evenly spaced)
+
+    def before(self, view) -> None:
+        view.keep_params()
+
+    def after(self, view) -> Readings:
+        got = view.fisher(self.nodes)
+        if got is None:
+            return Readings()
+        return Readings(sums={"fisher_kl_sum": got["kl"].sum(),
+                              "fisher_half_sum": got["half_fisher"].sum(),
+                              "fisher_nodes": torch.tensor(got["kl"].numel())})
+
+    def quantities(self) -> list:
+        return [Ratio("fisher_kl_ratio", "fisher_kl_sum", "fisher_half_sum",
+                      "no full-group node, or a zero step (δᵀFδ = 0)")]

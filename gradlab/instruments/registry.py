@@ -13,7 +13,17 @@ instrument of a preset runs on the preset's schedule, any other every step.
 from __future__ import annotations
 
 from .base import Instrument
-from .builtin import Attribution, DivergentDrift, Drift, Flips, Modulation, Residual, SameBatch, Tax
+from .builtin import (
+    Attribution,
+    DivergentDrift,
+    Drift,
+    Fisher,
+    Flips,
+    Modulation,
+    Residual,
+    SameBatch,
+    Tax,
+)
 from .schedule import Schedule
 
 _REGISTRY: dict[str, type[Instrument]] = {}
@@ -52,7 +62,8 @@ def available() -> dict[str, type[Instrument]]:
     return dict(_REGISTRY)
 
 
-for _cls in (Modulation, Residual, SameBatch, Attribution, Tax, Drift, DivergentDrift, Flips):
+for _cls in (Modulation, Residual, SameBatch, Attribution, Tax, Drift, DivergentDrift, Flips,
+             Fisher):
     register(_cls)
 
 

@@ -14,6 +14,7 @@ from ...core.batch import TokenBatch
 from ...core.nodes import SharedNodes
 from ...probes import layer_groups
 from ...probes.drift import kl_nodes, kl_rows
+from ...probes.fisher import context_logprobs_fn, float64_meter, kl_and_fisher
 from ...probes.tax import residual_grad_outputs, tax_grads, tax_report
 from ..config import RunConfig
 from ..numerics.logprobs import context_logprobs, token_logps
@@ -162,3 +163,24 @@ def sampled_logps(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor,
                                              ro.response_ids[r], ro.response_mask[r],
                                              cfg.temperature).to(after.dtype)
     return after
+
+
+def fisher_at_nodes(raw: torch.nn.Module, cfg: RunConfig, ro: Rollout, rows: torch.Tensor,
+                    sn: SharedNodes, before: dict[str, torch.Tensor], cap: int
+                    ) -> dict[str, torch.Tensor]:
+    """Prop. 3.1 at (at most `cap`, evenly spaced: `kl_nodes`) full-group nodes of `sn`, in
+    float64 (`gradlab.probes.fisher`): the measured KL(π_θ ‖ π_θ+δ) of the step δ = θ+ − θ just
+    taken and ½ δᵀF(h)δ, each (K,) nats. before: θ (the parameters before the step)."""
+    meter = float64_meter(raw)
+    after = {n: p.detach().double() for n, p in meter.named_parameters()}
+    theta = {n: before[n].double() for n in after}
+    delta = {n: after[n] - theta[n] for n in after}
+    kept = kl_nodes(sn.n, 1, cap).to(sn.rep.device)  # (K,) node indices
+    reps = torch.unique(sn.rep[kept])
+    t_max = int(sn.position[kept].max()) + 1
+    r = rows[reps]
+    f = context_logprobs_fn(meter, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
+                            ro.response_mask[r, :t_max], torch.searchsorted(reps, sn.rep[kept]),
+                            sn.position[kept], cfg.temperature)
+    res = kl_and_fisher(f, theta, after, {"delta": delta})
+    return {"kl": res["kl"], "half_fisher": res["half_delta"]}

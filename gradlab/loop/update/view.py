@@ -33,7 +33,14 @@ from ...probes.tax import reduce_tax
 from ..config import RunConfig
 from ..rollouts.rollout import Rollout
 from ..scale.dist import Dist, unwrap
-from .forwards import NodesBefore, node_logprobs, node_moves, sampled_logps, tax_step
+from .forwards import (
+    NodesBefore,
+    fisher_at_nodes,
+    node_logprobs,
+    node_moves,
+    sampled_logps,
+    tax_step,
+)
 
 OFFERED = frozenset({"W", "batch", "objective", "entropy", "model", "grads"})
 
@@ -59,6 +66,7 @@ class StepView:
     _nodes: dict | None = None
     _before: NodesBefore | None = None
     _after: torch.Tensor | None = None
+    _theta: dict | None = None
 
     @property
     def idle(self) -> bool:
@@ -105,6 +113,19 @@ class StepView:
         return node_moves(unwrap(self.model), self.cfg, self.rollout, self.rows,
                           self.nodes()["prefix"], self._before)
 
+    def keep_params(self) -> None:
+        """Before the optimizer step: a copy of θ (one model's parameters), for the Fisher."""
+        if not self.idle:
+            self._theta = {n: p.detach().clone() for n, p in unwrap(self.model).named_parameters()}
+
+    def fisher(self, cap: int) -> dict[str, torch.Tensor] | None:
+        """After the step: (K,) KL and ½ δᵀFδ at ≤ cap full-group nodes (float64), or None."""
+        sn = self.nodes().get("prefix")
+        if self._theta is None or sn is None or sn.n == 0:
+            return None
+        return fisher_at_nodes(unwrap(self.model), self.cfg, self.rollout, self.rows, sn,
+                               self._theta, cap)
+
     def sampled_after(self) -> torch.Tensor | None:
         """After the step: (B, T) log π of the step's sampled tokens (one forward, shared by
         every instrument that asks), or None on an idle rank."""
@@ -143,4 +164,6 @@ def loop_instruments(cfg: RunConfig, others: list | tuple = ()) -> InstrumentSet
             inst.others = list(others)
     out = InstrumentSet(chosen)
     out.check(set(OFFERED), "gradlab's loop")
+    if cfg.fsdp and out.get("fisher") is not None:
+        raise ValueError("instrument 'fisher' copies the whole model: one process or DDP, not --fsdp")
     return out
