@@ -1,8 +1,8 @@
 """Benchmark: shared_nodes + cancellation, and IBPO's trie advantages, on 64 groups × 8
 responses × T tokens (CPU), side by side in one run.
 
-    python -m analyses.benchmarks.bench_nodes            # T = 256, 1024, 4096; prints a markdown table
-    python -m analyses.benchmarks.bench_nodes --quick    # small sizes (used by the tests)
+    python -m analyses.benchmarks.bench_nodes          # T = 256, 1024, 4096; prints a markdown table
+    python -m analyses.benchmarks.bench_nodes --quick  # small sizes (used by the tests)
 
 Medians over repeats; the time per token column shows whether cost is linear in T.
 """

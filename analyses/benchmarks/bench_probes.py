@@ -1,7 +1,7 @@
 """Benchmark: the instrumented optimizer step of the loop against the bare step.
 
-    python -m analyses.benchmarks.bench_probes                 # tiny policy and a ~25M Qwen3, 64×8 × 128
-    python -m analyses.benchmarks.bench_probes --quick         # small sizes (used by the tests)
+    python -m analyses.benchmarks.bench_probes            # tiny policy and a ~25M Qwen3, 64×8 × 128
+    python -m analyses.benchmarks.bench_probes --quick    # small sizes (used by the tests)
 
 Same batch, same objective (GSPO), same model, measured side by side and interleaved:
   bare   forward → loss → backward → clip → AdamW step (what a trainer does)

@@ -2,7 +2,7 @@
 151,936-token vocabulary built from a config (no download).
 
     python -m analyses.benchmarks.bench_scale memory                       # 64 and 512 seqs × 256 tokens
-    python -m analyses.benchmarks.bench_scale memory --sizes 16,64 --tokens 32 --micro-batch 16   # quick
+    python -m analyses.benchmarks.bench_scale memory --sizes 16,64 --tokens 32 --micro-batch 16  # quick
 
 Sections: MEMORY (below) — peak RSS and time of one optimizer step at a fixed micro-batch as
 the step's number of sequences grows (target: 64 → 512 sequences ≤ 1.15× peak RSS).
@@ -100,8 +100,8 @@ def memory_table(a: argparse.Namespace) -> list[dict]:
     """Run each size in a fresh child (peak RSS is per process); print a Markdown table."""
     rows = []
     for n in (int(s) for s in a.sizes.split(",")):
-        cmd = [sys.executable, "-m", "analyses.benchmarks.bench_scale", "_memory_child", "--n", str(n),
-               "--tokens", str(a.tokens), "--micro-batch", str(a.micro_batch), "--G", str(a.G),
+        cmd = [sys.executable, "-m", "analyses.benchmarks.bench_scale", "_memory_child",
+               "--n", str(n), "--tokens", str(a.tokens), "--micro-batch", str(a.micro_batch), "--G", str(a.G),
                "--hidden", str(a.hidden), "--layers", str(a.layers), "--objective", a.objective]
         cmd += [] if a.probes else ["--no-probes"]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -124,8 +124,8 @@ def memory_table(a: argparse.Namespace) -> list[dict]:
 # ======================================================================================== #
 
 def real_vocab_model(hidden: int, layers: int):
-    """(model, tokenizer): the random-init real-vocabulary Qwen3 of analyses/studies/real_vocab_run.py
-    (V = 151,936 embedding rows, 151,669 tokenizer ids), loaded as the loop loads a folder."""
+    """(model, tokenizer): the random-init real-vocabulary Qwen3 of
+    analyses/studies/real_vocab_run.py (V = 151,936 embedding rows, 151,669 tokenizer ids), loaded as the loop loads a folder."""
     import tempfile
 
     from analyses.studies.real_vocab_run import build_folder

@@ -1,7 +1,7 @@
 """gradlab's loop against TRL's GRPOTrainer at the real vocabulary (151,936 rows).
 
-Same random-init real-vocabulary Qwen3 for both (`analyses/studies/real_vocab_run.py`: built locally, no
-download; hidden 256 and 4 layers = 42.0 M parameters by default, as `bench_scale.py`), same
+Same random-init real-vocabulary Qwen3 for both (`analyses/studies/real_vocab_run.py`: built
+locally, no download; hidden 256 and 4 layers = 42.0 M parameters by default, as `bench_scale.py`), same
 arithmetic prompts, prompts × G per rollout, new tokens, learning rate, AdamW, grad clip 1,
 optimizer steps per rollout (gradlab `minibatches` = TRL `steps_per_generation`, gradient
 accumulation 1), one torch thread. Loss: gradlab "grpo" (token-mean PPO-clip) vs TRL loss_type
@@ -21,7 +21,7 @@ EOS, so both run the full --tokens; TRL may sample the 267 embedding rows past t
 (decoded as nothing), gradlab masks them.
 
     OMP_NUM_THREADS=1 python -m analyses.benchmarks.bench_trl_real                  # 42 M, 2 × 8 × 32 tokens
-    python -m analyses.benchmarks.bench_trl_real --hidden 32 --layers 1 --tokens 4 --rollouts 2   # smoke
+    python -m analyses.benchmarks.bench_trl_real --hidden 32 --layers 1 --tokens 4 --rollouts 2  # smoke
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 folder built from a config (no download), and one tandem run with its step time, peak GPU
 memory and probe overhead printed.
 
-    python -m analyses.benchmarks.gpu_smoke build DIR            # Qwen3-0.6B shape, fp32 weights, V=151,936
-    python -m analyses.benchmarks.gpu_smoke build DIR --small    # a CPU-sized shape (tests, dry runs)
+    python -m analyses.benchmarks.gpu_smoke build DIR          # Qwen3-0.6B shape, fp32 weights, V=151,936
+    python -m analyses.benchmarks.gpu_smoke build DIR --small  # a CPU-sized shape (tests, dry runs)
     python -m analyses.benchmarks.gpu_smoke run DIR OUT [gradlab tandem options...]
 
 The tokenizer is the shipped default policy's (a small character-level one): its ids are all

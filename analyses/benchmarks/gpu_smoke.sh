@@ -6,7 +6,7 @@
 #
 #   bash analyses/benchmarks/gpu_smoke.sh [WORKDIR] [extra gradlab tandem options...]
 #   GPU_SMOKE_SMALL=1 DEVICE=cpu bash analyses/benchmarks/gpu_smoke.sh /tmp/smoke --prompts 2 --G 2 \
-#       --max-new-tokens 8 --micro-batch 2          # a CPU dry run of the script itself
+#       --max-new-tokens 8 --micro-batch 2 --minibatches 2   # a CPU dry run of the script itself
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${1:-runs/gpu_smoke}; shift || true

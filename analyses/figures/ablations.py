@@ -4,8 +4,8 @@ Table 2 — every variant against GSPO, paired by seed. The paper's rows (DFPO M
 DFPO without stop-gradient, DFPO "scale by 0.5") and ours: Orth-Proj, token-mean GRPO, clip-free
 DFPO (`dfpo-min[clip=free]`), clip-free GSPO (`gspo[eps=1e9]`), Orth-Proj at trie nodes
 (`dfpo-orth[nodes=trie]`). dfpo-min, dfpo-orth, gspo and grpo come from the Figure 3 tandem
-(`--fig3-runs`, trained by analyses/figures/figure3.py or here if missing); the other variants run in a
-second tandem of the same size and seeds (runs/ablations/table2/seed{k}). Learners of a tandem
+(`--fig3-runs`, trained by analyses/figures/figure3.py or here if missing); the other variants
+run in a second tandem of the same size and seeds (runs/ablations/table2/seed{k}). Learners of a tandem
 are independent of which other objectives run beside them (own model copy, own generators,
 sampling noise hashed from seed, step and row; tests/test_analyses.py checks it), so the two
 tandems are one experiment: same start, same prompt stream per seed.
@@ -29,7 +29,7 @@ tandem's runs are experiment figure3's rows), all exploratory: not declared befo
 
     python -m analyses.figures.ablations            # full: 5 seeds, 150 steps × 8 prompts, G=8 (T2)
     python -m analyses.figures.ablations --quick    # seconds: runs/ablations-quick, for tests
-    python -m analyses.figures.ablations --task scaffold --steps 60 --seeds 5   # → figures/scaffold/
+    python -m analyses.figures.ablations --task scaffold --steps 60 --seeds 5  # → figures/scaffold/
     python -m analyses.figures.ablations --reanalyse [--task scaffold]  # tables again from ablations.csv
 """
 

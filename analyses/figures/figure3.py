@@ -22,12 +22,12 @@ token counts) and draws mean and 95 % band over seeds with
                            noise, analyses.tools.common.heldout) and last-5-steps
                            training accuracy, mean [95 % t interval] over seeds, the paired
                            difference to GSPO [95 % paired t interval, p], measured ρ, tax share,
-                           drift and tokens (analyses.tools.common.paired_table); provenance (commit,
-                           threads, command), size, seconds.
+                           drift and tokens (analyses.tools.common.paired_table); provenance
+                           (commit, threads, command), size, seconds.
 
-    python -m analyses.figures.figure3                 # full: 5 seeds × 150 steps × 8 prompts × G=8
-    python -m analyses.figures.figure3 --quick         # seconds: runs/figure3-quick, for tests
-    python -m analyses.figures.figure3 --replot        # redraw the PNGs from figures/figure3.csv (no runs)
+    python -m analyses.figures.figure3           # full: 5 seeds × 150 steps × 8 prompts × G=8
+    python -m analyses.figures.figure3 --quick   # seconds: runs/figure3-quick, for tests
+    python -m analyses.figures.figure3 --replot  # redraw the PNGs from figures/figure3.csv (no runs)
 Finished seed folders are reused (delete runs/figure3 to retrain).
 """
 

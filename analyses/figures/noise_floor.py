@@ -219,7 +219,8 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
     width = meta["summary"]["train_acc_last5"]["seeds_needed_width"]
     summary, parted = summarise(long, width), _parted(long)
     rows = publish(long, out, meta["size"].get("task", "arithmetic"))
-    made, prov = meta.get("runs_made_by") or meta["provenance"], provenance("analyses.figures.noise_floor", argv)
+    made = meta.get("runs_made_by") or meta["provenance"]
+    prov = provenance("analyses.figures.noise_floor", argv)
     when = ("per-run code hashes in noise_floor.json" if meta.get("run_provenance")
             else "before runs recorded their code")
     footer = (f"Runs made by `{made['command']}` at commit {made['commit'][:10]}"

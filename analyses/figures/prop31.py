@@ -15,8 +15,8 @@ Runs short tandems from the shipped start (one per learning rate) and writes
                "run": "<in-process>", reused false)
   prop31.png   (a) measured vs predicted with y = x and the fit, (b) residual's part vs KL
 
-    python -m analyses.figures.prop31            # 20 rollout steps × 3 objectives at lr 2e-4, + lr sweep
-    python -m analyses.figures.prop31 --quick    # seconds, for tests
+    python -m analyses.figures.prop31          # 20 rollout steps × 3 objectives at lr 2e-4, + lr sweep
+    python -m analyses.figures.prop31 --quick  # seconds, for tests
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     configs = QUICK if a.quick else FULL
     size = dict(BASE, prompts=2, G=4, minibatches=2) if a.quick else dict(BASE)
-    t0, prov = time.time(), provenance("analyses.figures.prop31", argv)  # the commit the run starts from
+    # the commit the run starts from
+    t0, prov = time.time(), provenance("analyses.figures.prop31", argv)
     nodes, steps = collect(configs, a.task, size)
     steps.to_csv(out / "prop31.csv", index=False, float_format="%.6g")
     table = fits(nodes, steps)

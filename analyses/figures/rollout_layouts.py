@@ -150,8 +150,8 @@ def write_md(df: pd.DataFrame, mo: dict, a) -> None:
             "edited_per_repair"]
     lines = [
         "# Rollout layouts on the shipped policies (G = 8)", "",
-        f"`OMP_NUM_THREADS=1 python -m analyses.figures.rollout_layouts --steps {a.steps} --prompts "
-        f"{a.prompts} --seed {a.seed}`: the loop's rollouts of steps 0..{a.steps - 1} "
+        "`OMP_NUM_THREADS=1 python -m analyses.figures.rollout_layouts "
+        f"--steps {a.steps} --prompts {a.prompts} --seed {a.seed}`: the loop's rollouts of steps 0..{a.steps - 1} "
         f"({a.steps * a.prompts} groups per row) from the untrained shipped policies; tree = "
         "2 roots × 2 branches per path ('star': 1 root × 7 branches, `--roots 1 --branches 7`), "
         "entropy-weighted positions unless 'uniform', branch token sampled unless "

@@ -14,8 +14,8 @@ problems). Writes <out>/scaffold_tax.md, scaffold_tax.csv (task, seed, pair, obj
 metric, value) and scaffold_tax.json (summary, provenance, and `runs`: one row per tandem with
 its code hash, commit, dirty flag, machine and whether it was reused, `common.run_row`).
 
-    python -m analyses.figures.scaffold_tax            # 5 seeds × 2 tasks × 2 tandems × 3 steps (~5 min)
-    python -m analyses.figures.scaffold_tax --quick    # 1 seed, 2 steps, tiny batch: seconds, for tests
+    python -m analyses.figures.scaffold_tax          # 5 seeds × 2 tasks × 2 tandems × 3 steps (~5 min)
+    python -m analyses.figures.scaffold_tax --quick  # 1 seed, 2 steps, tiny batch: seconds, for tests
 """
 
 from __future__ import annotations

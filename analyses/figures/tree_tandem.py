@@ -34,7 +34,7 @@ of analyses/tools/comparisons.py), the experiment's rows of comparisons.csv, tre
 (provenance of every run used: code hash, machine, reused) and .png.
 
     python -m analyses.figures.tree_tandem                  # 3 seeds; arithmetic 30 and scaffold 20 steps
-    python -m analyses.figures.tree_tandem --seeds 11 --jobs 2   # the seeds figures/noise_budget.md asks for
+    python -m analyses.figures.tree_tandem --seeds 11 --jobs 2  # the seeds figures/noise_budget.md asks for
     python -m analyses.figures.tree_tandem --quick          # seconds: runs/tree_tandem-quick, for tests
 A run folder is reused only when the current code made it (gradlab.provenance); --reuse-any-code
 reuses finished runs of other code and says so in the .json.

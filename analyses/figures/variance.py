@@ -11,8 +11,8 @@ in this process, which writes no run folder, so the list holds one row for the p
 `gradlab.provenance.current()` with "run": "<in-process>" and reused false).
 
     OMP_NUM_THREADS=1 python -m analyses.figures.variance           # K = 48, R = 240 (~6 min CPU)
-    python -m analyses.figures.variance --redraw                      # figure and table from the CSV
-    python -m analyses.figures.variance --quick --out /tmp/v.png      # seconds, for tests
+    python -m analyses.figures.variance --redraw                     # figure and table from the CSV
+    python -m analyses.figures.variance --quick --out /tmp/v.png     # seconds, for tests
     python -m analyses.figures.variance --rollout tree --objectives grpo,gspo,dfpo-min,ibpo \
         --K 24 --reference-batches 96 --out figures/variance_tree.png   # another layout
 """
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         write(pd.read_csv(out.with_suffix(".csv")), out, meta)
         return 0
     set_threads(1)
-    prov = provenance("analyses.figures.variance", argv)  # the code that measures, not what HEAD is at the end
+    # the code that measures, not what HEAD is at the end
+    prov = provenance("analyses.figures.variance", argv)
     K, R = (2, 2) if a.quick else (a.K, a.reference_batches)
     size = dict(prompts=2, G=4) if a.quick else dict(prompts=8, G=8)
     names = (a.objectives.split(",") if a.objectives else

@@ -10,7 +10,7 @@ extra ids must never be sampled), then runs
 in a child process and reports its peak RSS (getrusage RUSAGE_CHILDREN, ru_maxrss) and wall
 time, plus the run's own per-phase times (metrics.jsonl, time_* keys, summed over steps).
 
-    python -m analyses.studies.real_vocab_run                     # the run above (hidden 256, 4 layers)
+    python -m analyses.studies.real_vocab_run                 # the run above (hidden 256, 4 layers)
     python -m analyses.studies.real_vocab_run --hidden 64 --layers 2 --prompts 4 --max-new-tokens 16
 
 The tokenizer is gradlab's toy character WordLevel vocabulary (so the arithmetic task encodes)

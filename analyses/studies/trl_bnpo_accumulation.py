@@ -8,7 +8,7 @@ loss call by *its own* token count, so rows of one group get different weights w
 hook-measured on TRL's own loss; ρ at full-group nodes of the whole optimizer step (all its
 micro-batches), pooled over the generation batches, and the per-step range.
 
-    python -m analyses.studies.trl_bnpo_accumulation                 # ~2-4 min on 2 shared CPU cores
+    python -m analyses.studies.trl_bnpo_accumulation                # ~2-4 min on 2 shared CPU cores
     python -m analyses.studies.trl_bnpo_accumulation --gens 3 --loss-types bnpo
 """
 

@@ -1,7 +1,7 @@
 """Every result the pages quote, checked against the committed data; data blocks rewritten.
 
-    python -m analyses.tools.quoted            # list quoted results that match no data (exit 1 if any)
-    python -m analyses.tools.quoted --write    # rewrite the <!-- data:NAME -->…<!-- /data --> blocks
+    python -m analyses.tools.quoted          # list quoted results that match no data (exit 1 if any)
+    python -m analyses.tools.quoted --write  # rewrite the <!-- data:NAME -->…<!-- /data --> blocks
 
 Pages: README.md, figures/README.md, figures/real_trl*.md, docs/**/*.md. Results are found by their form, so that a
 hyper-parameter or a size is never picked up:
