@@ -12,7 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analyses import ablations, common, figure2, figure3, noise_floor, prop31, scaffold_tax  # noqa: E402
+from analyses.figures import ablations, figure2, figure3, noise_floor, prop31, scaffold_tax  # noqa: E402
+from analyses.tools import common  # noqa: E402
 from gradlab.provenance import code_hash  # noqa: E402
 from gradlab.stats import paired_interval  # noqa: E402
 
@@ -58,7 +59,7 @@ def test_figure3_quick(tmp_path):
     assert all(label in md for label in figure3.LABELS.values()) and "paired" in md
     meta = json.loads((tmp_path / "figure3.json").read_text())
     assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
-    assert meta["provenance"]["command"].startswith("python analyses/figure3.py --quick")
+    assert meta["provenance"]["command"].startswith("python -m analyses.figures.figure3 --quick")
     # held-out: the exact expected accuracy of the final checkpoint over the split's first 32
     from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_split
 
@@ -150,7 +151,7 @@ def test_noise_floor_quick(tmp_path):
     meta = json.loads((tmp_path / "noise_floor.json").read_text())
     s = meta["summary"]["train_acc_last5"]
     assert s["twin_sd"] == 0 and s["seeds_needed_twin_sd"] == 2
-    assert meta["provenance"]["command"].startswith("python analyses/noise_floor.py --quick")
+    assert meta["provenance"]["command"].startswith("python -m analyses.figures.noise_floor --quick")
     assert len(meta["run_provenance"]) == 3 and not any(r["reused"] for r in meta["run_provenance"])
     assert "twin sd" in (tmp_path / "noise_floor.md").read_text()
     rows = pd.read_csv(tmp_path / "comparisons.csv")
@@ -203,7 +204,7 @@ def test_ablations_reanalyse_reproduces_the_published_tables(tmp_path, task, sub
     when = ("per-run code hashes in ablations.json" if meta.get("run_provenance")
             else "before runs recorded their code")
     assert "runs made by" in md and made in md and when in md
-    assert meta["provenance"]["command"].startswith("python analyses/ablations.py --reanalyse")
+    assert meta["provenance"]["command"].startswith("python -m analyses.figures.ablations --reanalyse")
     _same_rows(d, exp)
     # the Figure 3 tandem's rows are the Figure 3 experiment's per-seed values while both come
     # from the same runs (rollout tokens and training accuracy per seed and objective identify
@@ -276,7 +277,7 @@ def test_prop31_quick(tmp_path):
     assert (steps["kl_res"] <= steps["kl_predicted"] * 1.01).all()
     meta = json.loads((tmp_path / "prop31.json").read_text())
     assert len(meta["provenance"]["commit"]) == 40 and meta["provenance"]["threads"] == 1
-    assert meta["provenance"]["command"].startswith("python analyses/prop31.py --quick")
+    assert meta["provenance"]["command"].startswith("python -m analyses.figures.prop31 --quick")
     assert (tmp_path / "prop31.png").stat().st_size > 10_000
 
 
@@ -349,7 +350,7 @@ def test_figure3_replot_redraws_from_the_csv_without_runs(tmp_path):
 
 
 def test_rollout_layouts_quick(tmp_path):
-    from analyses import rollout_layouts
+    from analyses.figures import rollout_layouts
 
     out = tmp_path / "rl"
     assert rollout_layouts.main(["--quick", "--out", str(out)]) == 0
@@ -369,7 +370,7 @@ def test_rollout_layouts_quick(tmp_path):
 
 
 def test_tree_tandem_quick(tmp_path):
-    from analyses import tree_tandem
+    from analyses.figures import tree_tandem
 
     out = tmp_path / "tt"
     assert tree_tandem.main(["--quick", "--tasks", "arithmetic", "--objectives", "gspo,ibpo",
@@ -385,7 +386,7 @@ def test_tree_tandem_quick(tmp_path):
 def test_bench_trl_real_smoke(tmp_path):
     """gradlab and TRL on a tiny real-vocabulary model, each in a child process: per-rollout
     times, steps/s over the timed rollouts, and per-process memory come back."""
-    from analyses import bench_trl_real
+    from analyses.benchmarks import bench_trl_real
 
     out = tmp_path / "trl_real.json"
     med = bench_trl_real.main(["--hidden", "32", "--layers", "1", "--prompts", "1", "--G", "2",
@@ -403,7 +404,7 @@ def test_bench_trl_real_smoke(tmp_path):
 def test_noise_budget_quick(tmp_path):
     """Real runs, every scheme: the whole-split expected accuracy has no evaluation noise, the
     sampled scores do; the tables re-make from the CSV alone."""
-    from analyses import noise_budget
+    from analyses.studies import noise_budget
 
     assert noise_budget.main(["--quick", "--tasks", "arithmetic", "--runs", str(tmp_path / "r"),
                               "--out", str(tmp_path)]) == 0
@@ -421,9 +422,9 @@ def test_noise_budget_quick(tmp_path):
 
 
 def test_same_runs_reports_identical_and_differing_runs(tmp_path, capsys):
-    """analyses/same_runs.py: two trainings of one configuration are the same numbers (bitwise,
+    """analyses/tools/same_runs.py: two trainings of one configuration are the same numbers (bitwise,
     timings aside); another seed differs and exits 1, naming the first differing values."""
-    from analyses import same_runs
+    from analyses.tools import same_runs
     from gradlab.loop.config import RunConfig
     from gradlab.loop.train import train
 
@@ -443,13 +444,13 @@ def test_same_runs_reports_identical_and_differing_runs(tmp_path, capsys):
 
 
 def test_same_runs_records_its_check_and_allows_only_new_options_at_default(tmp_path, capsys):
-    """`--record` writes the check into a figure JSON, which `analyses.provenance` prints; a
+    """`--record` writes the check into a figure JSON, which `analyses.tools.provenance` prints; a
     config key only the newer run has passes when it is RunConfig's default and fails when not;
     `--outputs` compares two files byte for byte."""
     import json
     from dataclasses import fields
 
-    from analyses import provenance, same_runs
+    from analyses.tools import provenance, same_runs
     from gradlab.loop.config import RunConfig
     from gradlab.loop.train import train
 
@@ -489,9 +490,9 @@ def test_same_runs_records_its_check_and_allows_only_new_options_at_default(tmp_
 
 def test_provenance_is_computed_not_stored(tmp_path, capsys):
     """No figure JSON stores whether its runs are the shipped code; `python -m
-    analyses.provenance` computes it: runs of code_hash() count as shipped, others are listed
+    analyses.tools.provenance` computes it: runs of code_hash() count as shipped, others are listed
     by hash with their same_runs record, figures without runs say so."""
-    from analyses import provenance
+    from analyses.tools import provenance
 
     for f in common.FIGURES.rglob("*.json"):
         assert '"current_code"' not in f.read_text(), f

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analyses import comparisons
+from analyses.tools import comparisons
 from gradlab.stats import holm, paired_interval
 
 FIGURES = Path(__file__).resolve().parents[1] / "figures"
@@ -91,7 +91,7 @@ def test_published_comparisons_recompute_from_their_seeds_files():
 def test_every_published_held_out_difference_is_a_row(md, experiments):
     """One row per published comparison: each held-out − GSPO interval of Figure 3's and
     Tables 2 and 3's tables prints as a row of comparisons.csv of its experiments."""
-    from analyses.quoted import PATTERNS, near
+    from analyses.tools.quoted import PATTERNS, near
 
     table = pd.read_csv(FIGURES / "comparisons.csv")
     rows = table[table["experiment"].isin(experiments)]

@@ -200,12 +200,12 @@ def test_flips_needs_heavy_steps():
 
 
 def test_study_quick_runs(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "analyses" / "token_flips.py"), "--quick",
+    r = subprocess.run([sys.executable, "-m", "analyses.figures.token_flips", "--quick",
                         "--runs", str(tmp_path / "runs"), "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     meta = json.loads((tmp_path / "token_flips.json").read_text())
-    assert meta["provenance"]["command"].startswith("python analyses/token_flips.py")
+    assert meta["provenance"]["command"].startswith("python -m analyses.figures.token_flips")
     assert len(meta["runs"]) == 3
     assert "## arithmetic" in (tmp_path / "token_flips.md").read_text()
     assert (tmp_path / "token_flips.png").stat().st_size > 0

@@ -328,8 +328,9 @@ def test_bench_nodes_quick_runs():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "analyses" / "bench_nodes.py"), "--quick",
-                          "--repeats", "1"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "analyses.benchmarks.bench_nodes", "--quick",
+                          "--repeats", "1"], capture_output=True, text=True, check=True,
+                         cwd=root).stdout
     assert "IBPO trie advantages" in out and "| 4 × 4 × 64 |" in out
 
 

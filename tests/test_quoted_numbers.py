@@ -1,5 +1,5 @@
 """Every result the README, figures/README.md and docs/ quote matches the committed data at its
-printed precision (analyses/quoted.py), and the data blocks equal their rendering from data.
+printed precision (analyses/tools/quoted.py), and the data blocks equal their rendering from data.
 The check is shown to fail: a changed digit in a copy of a page is caught."""
 
 import re
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analyses import quoted
-from analyses.quoted_data import render
+from analyses.tools import quoted
+from analyses.tools.quoted_data import render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def test_data_blocks_equal_their_rendering_from_data():
     for page in quoted.pages():
         text = page.read_text()
         blocks += text.count("<!-- data:")
-        assert render(text, figures) == text, f"{page}: run python -m analyses.quoted --write"
+        assert render(text, figures) == text, f"{page}: run python -m analyses.tools.quoted --write"
     assert blocks >= 4
     stale = "<!-- data:gspo-tax:figure3 -->0.99 %<!-- /data -->"
     assert render(stale, figures) == "<!-- data:gspo-tax:figure3 -->1.28 %<!-- /data -->"
@@ -100,7 +100,7 @@ def test_data_blocks_equal_their_rendering_from_data():
 def test_json_intervals_in_every_stored_form():
     """[m, lo, hi] lists, {x, x_lo, x_hi} and paired_interval's {mean, lo, hi, p} are records;
     a dict missing one bound is not."""
-    from analyses.quoted import _json_records
+    from analyses.tools.quoted import _json_records
 
     doc = {"a": [0.5, 0.4, 0.6], "b": {"acc": 0.7, "acc_lo": 0.6, "acc_hi": 0.8},
            "c": {"paired": {"mean": -0.0143, "lo": -0.0188, "hi": -0.0098, "p": 0.0625, "n": 5}},

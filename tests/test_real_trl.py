@@ -129,7 +129,7 @@ def test_bench_ratios_are_taken_within_each_round():
     import argparse
 
     sys.path.insert(0, str(ROOT))
-    from analyses.bench_real_trl import report
+    from analyses.benchmarks.bench_real_trl import report
 
     def run(t):
         return {"median_step_s": t, "s_per_ktok": 10 * t, "peak_rss_gib": 5.0}
@@ -143,11 +143,11 @@ def test_bench_ratios_are_taken_within_each_round():
 
 
 def test_study_figure_keeps_undefined_undefined(tmp_path):
-    """analyses.real_trl_figure on a recipe-shaped CSV: block means skip NaN steps, a block with
+    """analyses.figures.real_trl_figure on a recipe-shaped CSV: block means skip NaN steps, a block with
     no defined value prints "—", the JSON is strict (null, never NaN or 0), the page's blocks are
     rewritten and the runs carry their provenance."""
     sys.path.insert(0, str(ROOT))
-    from analyses import real_trl_figure as rf
+    from analyses.figures import real_trl_figure as rf
     from gradlab.provenance import record
 
     runs, figs = tmp_path / "runs", tmp_path / "figs"
@@ -191,7 +191,7 @@ def test_the_published_study_is_its_data():
     import pandas as pd
 
     sys.path.insert(0, str(ROOT))
-    from analyses import real_trl_figure as rf
+    from analyses.figures import real_trl_figure as rf
 
     figs = ROOT / "figures"
     w = rf.wide(pd.read_csv(figs / "real_trl.csv"))
@@ -209,7 +209,7 @@ def test_the_published_cost_table_is_its_data():
     import argparse
 
     sys.path.insert(0, str(ROOT))
-    from analyses.bench_real_trl import report
+    from analyses.benchmarks.bench_real_trl import report
 
     d = json.loads((ROOT / "figures" / "real_trl_cost.json").read_text())
     nums, table = report(d["runs"], argparse.Namespace(**d["args"]))

@@ -186,7 +186,7 @@ def test_cli_writes_its_files(tmp_path, capsys):
 
 def test_analysis_quick(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from analyses import variance
+    from analyses.figures import variance
 
     out = tmp_path / "variance.png"
     assert variance.main(["--quick", "--out", str(out)]) == 0

@@ -17,7 +17,7 @@ held to a bound |x| ≤ 1e-3 instead (a rare clipped step leaves ~1e-4 in a run'
 (`gradlab.loop.recipes.baseline`).
 
 The shipped reference (gradlab/data/reproduce_reference.json) holds 5 seeds measured on another
-machine; `analyses/main_job.py` re-makes it.
+machine; `analyses/studies/main_job.py` re-makes it.
 """
 
 from __future__ import annotations
