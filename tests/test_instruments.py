@@ -200,3 +200,17 @@ def test_fisher_kl_is_the_drift_kl_and_the_quadratic_form_on_a_small_step(step):
         from gradlab.loop.update.view import loop_instruments
 
         loop_instruments(RunConfig(fsdp=True, instruments="fisher"))
+
+
+def test_overhead_table_is_the_committed_measurement_and_the_benchmark_runs(capsys):
+    """The docs' overhead table is the rendering of figures/instrument_overhead.json (each
+    number quoted has that source), and the benchmark that writes it runs (quick sizes)."""
+    from analyses.benchmarks import bench_instruments as bench
+    from analyses.tools.quoted_data import replace_table
+
+    data = json.loads((ROOT / "figures" / "instrument_overhead.json").read_text())
+    page = (ROOT / "docs" / "concepts" / "instruments.md").read_text()
+    assert replace_table(page, "instrument-overhead", bench.table(data)) == page
+    assert set(data["models"][0]["cpu_s"]) == set(bench.configs())
+    bench.main(["--quick"])
+    assert "| fisher |" in capsys.readouterr().out

@@ -36,7 +36,7 @@ from gradlab.loop.scale.dist import Dist
 from gradlab.loop.setup.policy import build_tokenizer, load_policy, n_params, new_model
 from gradlab.loop.train import Learner
 from gradlab.loop.update.metrics import StepMetrics
-from gradlab.loop.update.step import optimizer_step
+from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
 
 
 def make_rollout(vocab: int, groups: int, G: int, T: int, seed: int = 0) -> Rollout:
@@ -63,11 +63,19 @@ def bare_step(L: Learner, ro: Rollout, adv: torch.Tensor) -> None:
     L.opt.zero_grad(set_to_none=True)
 
 
+def step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.Tensor,
+         acc: StepMetrics, heavy: bool) -> None:
+    """The loop's optimizer step at rollout step 0 (heavy: every scheduled instrument is due,
+    with tax_every = 5) or 1 (the every-step instruments only)."""
+    optimizer_step(L, cfg, StepWork(ro, adv, rows, 0 if heavy else 1), acc, loop_instruments(cfg),
+                   Dist())
+
+
 def traced_step(L: Learner, cfg, ro, adv, rows, tracer) -> None:
     """The cheap tier on a traced step: the loop's tracer records and writes 2 groups."""
     L.tracer = tracer
     tracer.begin(L.name, 0)
-    optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist())
+    step(L, cfg, ro, adv, rows, StepMetrics(), heavy=False)
     tracer.end()
     L.tracer = None
 
@@ -91,12 +99,12 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
         """The instrumented step; keeps its own `time_probes` (s spent in the probes' code:
         readings, drift forwards, tax) — a within-step share, robust to a loaded machine."""
         acc = StepMetrics()
-        optimizer_step(L, cfg, ro, adv, rows, acc, heavy, [], Dist())
+        step(L, cfg, ro, adv, rows, acc, heavy)
         phase["heavy" if heavy else "cheap"].append(acc.times.get("time_probes", 0.0))
 
     tiers = {
         "bare": lambda: bare_step(L, ro, adv),
-        "loop": lambda: optimizer_step(L, off, ro, adv, rows, StepMetrics(), False, [], Dist()),
+        "loop": lambda: step(L, off, ro, adv, rows, StepMetrics(), heavy=False),
         "cheap": lambda: probed(False),
         "traced": lambda: traced_step(L, cfg, ro, adv, rows, tracer),
         "heavy": lambda: probed(True),

@@ -75,7 +75,7 @@ def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, lay
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import optimizer_step
+    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
 
     model = tiny_qwen3(hidden=hidden, layers=layers)
     ro = fake_rollout(n, tokens, G)
@@ -87,7 +87,8 @@ def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, lay
     rows = torch.arange(n)
     setup = _peak_mib()
     t0 = time.perf_counter()
-    optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [], Dist())
+    optimizer_step(L, cfg, StepWork(ro, adv, rows, 1), StepMetrics(), loop_instruments(cfg),
+                   Dist())  # rollout step 1: the every-step instruments, no tax
     return {"n": n, "tokens": tokens, "micro_batch": micro_batch, "probes": probes,
             "time_s": time.perf_counter() - t0, "peak_setup_mib": setup, "peak_mib": _peak_mib()}
 

@@ -28,7 +28,7 @@ def main() -> None:
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import optimizer_step
+    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=64)
@@ -50,8 +50,8 @@ def main() -> None:
                 torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
     cfg, rows = RunConfig(progress=False, drift=True), torch.arange(n)
     steps = {"bare": lambda: bp.bare_step(L, ro, adv),
-             "cheap": lambda: optimizer_step(L, cfg, ro, adv, rows, StepMetrics(), False, [],
-                                             Dist())}
+             "cheap": lambda: optimizer_step(L, cfg, StepWork(ro, adv, rows, 1), StepMetrics(),
+                                             loop_instruments(cfg), Dist())}  # step 1: no tax
     for fn in steps.values():
         fn()  # warm-up
     for name, fn in steps.items():
