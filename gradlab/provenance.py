@@ -93,14 +93,20 @@ def current() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def in_process_row(prov: dict, what: str = "<in-process>") -> dict:
+    """The run row of a figure measured in the measuring process itself (no run folder): the
+    code hash, commit, dirty flag and machine of `prov` (`current()`), reused false."""
+    keys = ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")
+    return {"run": what, **{k: prov.get(k) for k in keys}, "reused": False}
+
+
 def write_in_process(path: str | Path, command: str, seconds: float) -> dict:
     """Write {command, seconds, provenance, runs} as JSON for a table measured in this process:
     one run row "<in-process>" with its code hash, commit, dirty flag, CPU, torch, threads and
     reused false. Returns the document."""
     prov = current()
-    row = {"run": "<in-process>", **{k: prov.get(k) for k in (
-        "code_hash", "commit", "dirty", "cpu_model", "torch", "threads")}, "reused": False}
-    doc = {"command": command, "seconds": round(seconds, 1), "provenance": prov, "runs": [row]}
+    doc = {"command": command, "seconds": round(seconds, 1), "provenance": prov,
+           "runs": [in_process_row(prov)]}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 

@@ -18,6 +18,7 @@ import torch
 
 from gradlab.loop.config import RunConfig
 from gradlab.loop.runs.store import load_run
+from gradlab.provenance import in_process_row as in_process_run  # noqa: F401  (the one row builder)
 from gradlab.viz.seeds import align_tokens  # noqa: F401  (figure3 imports it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,13 +188,6 @@ def provenance(module: str, argv: list[str] | None) -> dict:
 
     args = sys.argv[1:] if argv is None else list(argv)
     return {**current(), "command": " ".join(["python", "-m", module, *args])}
-
-
-def in_process_run(prov: dict, what: str = "<in-process>") -> dict:
-    """The provenance row of a figure measured in the analysing process itself (no run folder):
-    the process's code hash, commit, dirty flag, machine, and reused false."""
-    keys = ("code_hash", "commit", "dirty", "cpu_model", "torch", "threads")
-    return {"run": what, **{k: prov.get(k) for k in keys}, "reused": False}
 
 
 def stamp(prov: dict) -> str:
