@@ -115,8 +115,7 @@ def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
     ro = rollout
     logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
                         ro.response_mask[rows], temperature)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows])
+    batch = ro.token_batch(logps, adv, rows)
     with ModulationProbe() as probe:
         loss_fn(batch.replace(logps=probe.watch(logps))).backward()
     model.zero_grad(set_to_none=True)
@@ -135,8 +134,7 @@ def optimizer_step_on(model, rollout, rows: Tensor, adv: Tensor,
     model.train()
     logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
                         ro.response_mask[rows], temperature)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows])
+    batch = ro.token_batch(logps, adv, rows)
     loss_fn(batch).backward()
     opt.step()
     model.zero_grad(set_to_none=True)
@@ -173,8 +171,7 @@ def loop_step_on(model, rollout, rows: Tensor, adv: Tensor,
     model.train()
     logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
                         ro.response_mask[rows], tr["temperature"])
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows])
+    batch = ro.token_batch(logps, adv, rows)
     loss_fn(batch).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
     opt.step()

@@ -48,7 +48,6 @@ from ..rollouts.rollout import Rollout, generate
 from ..setup.heldout import TrainSplit
 from ..setup.policy import load_policy
 from ..setup.task import check_encodable, get_task
-from ..update.step import rows_batch
 
 ROLLOUTS = ("independent", "tree", "repair")
 COLUMNS = ("task", "rollout", "objective", "seed", "batch", "tokens", "metric", "value")
@@ -137,7 +136,8 @@ def batch_readings(model, params: list, ro: Rollout, objs: dict, adv_scale: str,
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask,
                      temperature)
     adv = advantages(ro.rewards, ro.group, scale=adv_scale)
-    batch = rows_batch(ro, rows, lp, adv, (N, int(ro.response_mask.sum()), ro.response_ids.shape[1]))
+    batch = ro.token_batch(lp, adv, rows, norms=(N, int(ro.response_mask.sum()), ro.response_ids.shape[1]),
+                           validate=False)
     m = batch.mask
     out = {}
     for name, obj in objs.items():

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..config import LAYOUTS  # noqa: F401  (the option's values; re-exported)
-from .rollout import Rollout, generate
+from .rollout import Rollout, batch_repair_of, generate  # noqa: F401  (batch_repair_of: re-exported)
 
 
 def sample_layout(cfg, model, tok, problems: list, task, keys: torch.Tensor) -> Rollout:
@@ -51,18 +51,6 @@ def sample_layout(cfg, model, tok, problems: list, task, keys: torch.Tensor) -> 
                                cfg.repair, cfg.repair_tries, cfg.branch_token, cfg.amp)
     return generate(model, tok, problems, cfg.G, T, cfg.temperature, amp=cfg.amp, task=task,
                     row_keys=keys)
-
-
-def batch_repair_of(repair_of: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    """`Rollout.repair_of` (N,) re-indexed for a batch of rollout rows `rows` (B,): position in
-    `rows` of the row each repair corrects; −1 for non-repairs and for a repair whose original
-    is not among `rows` (groups stay whole in a step and a micro-batch, so it always is)."""
-    if repair_of is None:
-        return None
-    pos = torch.full_like(repair_of, -1)
-    pos[rows] = torch.arange(rows.numel(), device=rows.device)
-    r = repair_of[rows]
-    return torch.where(r >= 0, pos[r.clamp(min=0)], -1)
 
 
 def _trie_points(seqs: list[tuple], rewards: list[float]) -> tuple[int, int, int]:

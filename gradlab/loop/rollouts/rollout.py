@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from ...core.batch import TokenBatch
 from ..config import ConfigError
 from ..numerics.logprobs import positions as _positions
 from ..numerics.precision import autocast
@@ -63,6 +64,32 @@ class Rollout:
         """(N,) long, response tokens including EOS."""
         return self.response_mask.sum(-1)
 
+    def token_batch(self, logps: torch.Tensor, advantages: torch.Tensor,
+                    rows: torch.Tensor | None = None, *, t: int | None = None,
+                    norms: tuple[int, int, int] | None = None,
+                    old_logps: torch.Tensor | None = None, validate: bool = True) -> TokenBatch:
+        """The `TokenBatch` of rollout rows `rows` (B,) long (None: all N rows, B = N), cut to
+        the first `t` response positions (None: all T).
+
+        logps (B, t): the current policy's log-probs of those rows (nats; may require grad).
+        advantages (N,) or (N, T'): one per rollout row, indexed by `rows` here.
+        old_logps (B, t): the behaviour log-probs to use; None: the rollout's own
+        `old_logps[rows, :t]`. rewards (B,) and `repair_of` come along when the rollout has them;
+        `repair_of` is renumbered into the batch's rows (`batch_repair_of`).
+        norms: the loss normalisers' totals (n_seqs, n_tokens, width) of a larger batch this one
+        is part of; None: the batch's own. validate: TokenBatch's checks (False skips the
+        finiteness check's device sync)."""
+        pick = slice(None) if rows is None else rows
+        width = self.response_ids.shape[1] if t is None else t
+        n_seqs, n_tokens, n_width = (None, None, None) if norms is None else norms
+        return TokenBatch(
+            self.response_ids[pick, :width], self.response_mask[pick, :width], logps,
+            self.old_logps[pick, :width] if old_logps is None else old_logps,
+            advantages[pick], self.group[pick],
+            rewards=None if self.rewards is None else self.rewards[pick],
+            repair_of=self.repair_of if rows is None else batch_repair_of(self.repair_of, rows),
+            n_seqs=n_seqs, n_tokens=n_tokens, width=n_width, validate=validate)
+
     def to(self, device: torch.device | str) -> Rollout:
         """A copy with every tensor moved to `device`."""
         kw = {}
@@ -70,6 +97,18 @@ class Rollout:
             v = getattr(self, f.name)
             kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
         return Rollout(**kw)
+
+
+def batch_repair_of(repair_of: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """`Rollout.repair_of` (N,) re-indexed for a batch of rollout rows `rows` (B,): position in
+    `rows` of the row each repair corrects; −1 for non-repairs and for a repair whose original
+    is not among `rows` (groups stay whole in a step and a micro-batch, so it always is)."""
+    if repair_of is None:
+        return None
+    pos = torch.full_like(repair_of, -1)
+    pos[rows] = torch.arange(rows.numel(), device=rows.device)
+    corrected = repair_of[rows]  # (B,) rollout row each batch row corrects, −1 none
+    return torch.where(corrected >= 0, pos[corrected.clamp(min=0)], -1)
 
 
 def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cpu"):
