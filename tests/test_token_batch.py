@@ -9,6 +9,7 @@ from gradlab.core.batch import TokenBatch, advantages
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.rollouts.repair import generate_repair
 from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.rollouts.spec import SamplingSpec
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.update.step import rows_batch
@@ -26,7 +27,8 @@ def rollouts():
     keys = torch.arange(len(problems) * G) + 10_000
     T = task.max_new_tokens
     flat = generate(model, tok, problems, G, T, row_keys=keys, task=task)
-    repair = generate_repair(model, tok, problems, G, T, 1.0, keys, task, mode="splice")
+    spec = SamplingSpec(G, T, 1.0, layout="repair", repair="splice")
+    repair = generate_repair(model, tok, problems, spec, keys, task)
     return model, {"independent": flat, "repair": repair}
 
 
