@@ -164,17 +164,17 @@ def _resample(model, tokenizer, task, base: Paths, plan, rows: RepairRows, spec:
     top = {}  # local: row -> the first position tried
     dev = rows.prompt_ids.device
     if local and todo:
-        i_t = torch.tensor([i for i, _ in todo], device=dev)
-        d_t = torch.tensor([d for _, d in todo], device=dev)
-        top = dict(zip(i_t.tolist(), local_positions(base.tokens[i_t], base.mask[i_t], d_t,
+        bad = torch.tensor([i for i, _ in todo], device=dev)  # (M,) rows to repair
+        departure = torch.tensor([d for _, d in todo], device=dev)  # (M,)
+        top = dict(zip(bad.tolist(), local_positions(base.tokens[bad], base.mask[bad], departure,
                                                      list(dec.stops)).tolist()))
-    for k in range(spec.repair_tries):
-        todo = [(i, d) for i, d in todo if not local or top[i] - k >= d]  # positions left
+    for attempt in range(spec.repair_tries):
+        todo = [(i, d) for i, d in todo if not local or top[i] - attempt >= d]  # positions left
         if not todo:
             break
-        idx = torch.tensor([i for i, _ in todo], device=dev)
-        at = torch.tensor([top[i] - k if local else d for i, d in todo], device=dev)
-        child = branch(model, base, idx, at, mix_keys(rows.keys[idx], 1 + k),
+        idx = torch.tensor([i for i, _ in todo], device=dev)  # (M,) rows repaired this try
+        at = torch.tensor([top[i] - attempt if local else d for i, d in todo], device=dev)  # (M,)
+        child = branch(model, base, idx, at, mix_keys(rows.keys[idx], 1 + attempt),
                        prompt_last=rows.prompt_ids[idx, -1],
                        prompt_len=rows.prompt_mask[idx].sum(-1), alternative=spec.alternative,
                        dec=dec)

@@ -1,5 +1,6 @@
 """What a rollout sampler is asked for (`SamplingSpec`), and the constants of one decoding loop
-(`Decoding`: the spec's length and temperature plus the model's stop ids and vocabulary size).
+(`Decoding`: the spec's length and temperature plus the model's stop ids, `stop_ids`, and its
+tokenizer's vocabulary size).
 
 One `SamplingSpec` serves the three layouts (`layouts.sample`): the independent sampler reads G,
 max_new_tokens, temperature, amp and max_prompt_len; the tree sampler also roots, branches,
@@ -85,7 +86,15 @@ class Decoding:
 
     @classmethod
     def of(cls, spec: SamplingSpec, model, tokenizer) -> Decoding:
-        from .rollout import stop_ids
-
         return cls(spec.max_new_tokens, spec.temperature, tuple(stop_ids(model, tokenizer)),
                    len(tokenizer))
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the model's
+    generation_config.eos_token_id (an int or a list; Qwen3 chat models add <|im_end|>)."""
+    ids = [tokenizer.eos_token_id]
+    gc = getattr(model, "generation_config", None)
+    extra = getattr(gc, "eos_token_id", None) if gc is not None else None
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    return sorted({int(i) for i in ids if i is not None})

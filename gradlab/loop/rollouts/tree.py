@@ -145,15 +145,17 @@ def decode(model, feed: torch.Tensor, feed_mask: torch.Tensor, feed_pos: torch.T
         out = model(input_ids=feed, attention_mask=live.long(), position_ids=feed_pos,
                     cache=cache, use_cache=True, logits_to_keep=1)
         cache = out.cache
-        tok, lp, h = draw(out.logits[:, -1], temperature, keys, t, n_vocab,
-                          exclude if first else None)
+        token, logp, entropy = draw(out.logits[:, -1], temperature, keys, t, n_vocab,
+                                    exclude if first else None)  # (M,) each
         first = False
-        w = (~done).nonzero().squeeze(-1)
-        tokens[w, t[w]], logps[w, t[w]], ent[w, t[w]] = tok[w], lp[w], h[w]
-        length[w] = t[w] + 1
-        done = done | torch.isin(tok, stop) | (t + 1 >= T)
+        active = (~done).nonzero().squeeze(-1)
+        at = t[active]
+        tokens[active, at], logps[active, at], ent[active, at] = (
+            token[active], logp[active], entropy[active])
+        length[active] = at + 1
+        done = done | torch.isin(token, stop) | (t + 1 >= T)
         t = torch.where(done, t, t + 1)
-        feed, feed_mask, feed_pos = tok[:, None], torch.ones_like(feed_mask[:, :1]), feed_pos[:, -1:] + 1
+        feed, feed_mask, feed_pos = token[:, None], torch.ones_like(feed_mask[:, :1]), feed_pos[:, -1:] + 1
     mask = torch.arange(T, device=feed.device) < length[:, None]
     return Paths(tokens, logps.masked_fill(~mask, 0.0), ent.masked_fill(~mask, 0.0), mask,
                  start, cache, live, cpos)
