@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .core import objectives
-from .core.batch import TokenBatch, advantages
+from .core.batch import advantages
 from .loop.numerics.logprobs import token_logps
 from .loop.numerics.precision import (
     AMP_GRAD_COS,
@@ -115,14 +115,11 @@ def read_step(model: torch.nn.Module, ro, adv: torch.Tensor, objective, amp: boo
     `rows` is part of a larger batch. The gradient is read from `.grad` (full tensors of a
     sharded model), times grad_scale, then cleared."""
     rows = torch.arange(ro.response_ids.shape[0], device=adv.device) if rows is None else rows
-    n = norms or (None, None, None)
     t0 = time.perf_counter()
     with autocast(adv.device, amp):
         lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
                          ro.response_mask[rows], ro.temperature)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, ro.old_logps[rows],
-                       adv[rows], ro.group[rows], n_seqs=n[0], n_tokens=n[1], width=n[2],
-                       rewards=None if ro.rewards is None else ro.rewards[rows], validate=False)
+    batch = ro.token_batch(lp, adv, rows, norms=norms, validate=False)
     with ModulationProbe() as probe:
         objective.loss(batch.replace(logps=probe.watch(lp))).backward()
     if adv.device.type == "cuda":

@@ -99,6 +99,14 @@ REGIMES: dict[str, dict] = {
 
 
 # --------------------------------------------------------------------------- real models
+def _rows_logps(model, rollout, rows: Tensor, temperature: float) -> Tensor:
+    """(R, T) log-probs of the rollout's responses on `rows` (R,) under `model` at temperature."""
+    from .loop.numerics.logprobs import token_logps
+
+    return token_logps(model, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
+                       rollout.response_ids[rows], rollout.response_mask[rows], temperature)
+
+
 def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
                      loss_fn: Callable[[TokenBatch], Tensor],
                      temperature: float = 1.0) -> tuple[Tensor, TokenBatch]:
@@ -109,14 +117,10 @@ def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
     Runs token_logps → loss_fn(batch) → backward, so parameter .grad is touched (zeroed after).
     Returns (W (R, T) float32, the TokenBatch with detached logps).
     """
-    from .loop.numerics.logprobs import token_logps
     from .probes import ModulationProbe
 
-    ro = rollout
-    logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                        ro.response_mask[rows], temperature)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows])
+    logps = _rows_logps(model, rollout, rows, temperature)  # (R, T)
+    batch = rollout.token_batch(logps, adv, rows)
     with ModulationProbe() as probe:
         loss_fn(batch.replace(logps=probe.watch(logps))).backward()
     model.zero_grad(set_to_none=True)
@@ -128,15 +132,10 @@ def optimizer_step_on(model, rollout, rows: Tensor, adv: Tensor,
                       temperature: float = 1.0) -> None:
     """One AdamW step (lr, as the loop's default) of `model` on `rows`: makes later minibatches
     of the same rollout off-policy, exactly as the training loop's 2nd+ minibatches are."""
-    from .loop.numerics.logprobs import token_logps
-
-    ro = rollout
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                        ro.response_mask[rows], temperature)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows])
+    logps = _rows_logps(model, rollout, rows, temperature)  # (R, T)
+    batch = rollout.token_batch(logps, adv, rows)
     loss_fn(batch).backward()
     opt.step()
     model.zero_grad(set_to_none=True)
@@ -165,16 +164,11 @@ def loop_step_on(model, rollout, rows: Tensor, adv: Tensor,
 
     training: `training_defaults()` unless given; adv (N,) advantages of all rollout rows
     (the loop scales them with training["adv_scale"]); rows (R,) long."""
-    from .loop.numerics.logprobs import token_logps
-
     tr = training or training_defaults()
-    ro = rollout
     opt = torch.optim.AdamW(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
     model.train()
-    logps = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                        ro.response_mask[rows], tr["temperature"])
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows])
+    logps = _rows_logps(model, rollout, rows, tr["temperature"])  # (R, T)
+    batch = rollout.token_batch(logps, adv, rows)
     loss_fn(batch).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
     opt.step()

@@ -56,8 +56,7 @@ def _logps64(model, ro, rows) -> torch.Tensor:
 def _grad(model, ro, rows, adv, loss_fn) -> tuple[torch.Tensor, TokenBatch]:
     """Flat parameter gradient of loss_fn on `rows`, and the (detached) TokenBatch."""
     lp = _logps64(model, ro, rows)
-    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, ro.old_logps[rows].double(),
-                   adv[rows].double(), ro.group[rows])
+    b = ro.token_batch(lp, adv.double(), rows, old_logps=ro.old_logps[rows].double())
     model.zero_grad(set_to_none=True)
     loss_fn(b).backward()
     g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gradlab import objectives
-from gradlab.core.batch import TokenBatch, advantages
+from gradlab.core.batch import advantages
 from gradlab.core.nodes import shared_nodes
 from gradlab.probes import flips as F
 
@@ -36,7 +36,7 @@ def stepped():
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 0, 0])  # one tied group
     adv = advantages(rewards, ro.group)
     lp = token_logps(model, *args)
-    batch = TokenBatch(ro.response_ids, ro.response_mask, lp, lp.detach(), adv, ro.group)
+    batch = ro.token_batch(lp, adv, old_logps=lp.detach())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     objectives.get("grpo").loss(batch).backward()
     opt.step()

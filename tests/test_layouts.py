@@ -22,6 +22,7 @@ from gradlab.loop.rollouts.repair import (
     repair_plan,
 )
 from gradlab.loop.rollouts.rollout import Rollout, generate, stop_ids
+from gradlab.loop.rollouts.spec import Decoding, SamplingSpec
 from gradlab.loop.rollouts.tree import decode, generate_tree, mix_keys, tree_shape
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
@@ -44,7 +45,8 @@ def setup():
 
 def _tree(setup, **kw):
     model, tok, task, problems, keys = setup
-    return generate_tree(model, tok, problems, G, task.max_new_tokens, 1.0, keys, task=task, **kw)
+    spec = SamplingSpec(G, task.max_new_tokens, 1.0, layout="tree", **kw)
+    return generate_tree(model, tok, problems, spec, keys, task=task)
 
 
 def test_tree_shape_breadth_first():
@@ -67,8 +69,9 @@ def _recompute(model, tok, ro, c: int, p: int, t: int, key: torch.Tensor, T: int
     pre[0, :t] = ro.response_ids[c, :t]
     ex = ro.response_ids[p, t].view(1) if alternative else None
     ref = decode(model, feed, fm, positions(fm), None, fm[:, :0], feed[:, :0],
-                 torch.tensor([t]), key.view(1), (pre, torch.zeros(1, T), torch.zeros(1, T)),
-                 ex, T, 1.0, stops, len(tok))
+                 start=torch.tensor([t]), keys=key.view(1),
+                 prefix=(pre, torch.zeros(1, T), torch.zeros(1, T)), exclude=ex,
+                 dec=Decoding(T, 1.0, tuple(stops), len(tok)))
     L = int(ro.lengths[c])
     assert int(ref.lengths[0]) == L and torch.equal(ref.tokens[0, t:L], ro.response_ids[c, t:L])
     assert_close_f32(ref.logps[0, t:L], ro.old_logps[c, t:L], msg="KV-reused vs recomputed")
@@ -113,8 +116,8 @@ def test_kv_reuse_at_real_vocabulary_with_sdpa():
         model = Qwen3ForCausalLM(cfg).eval()
     probs = ArithmeticTask().problems(2, seed=0)
     keys = torch.arange(8)
-    ro = generate_tree(model, tok, probs, 4, 6, 1.0, keys, roots=1, branches=3,
-                       branch_token="alternative")
+    star = SamplingSpec(4, 6, 1.0, layout="tree", roots=1, branches=3, branch_token="alternative")
+    ro = generate_tree(model, tok, probs, star, keys)
     assert int(ro.response_ids.max()) < len(tok)
     _check_children(model, tok, ro, keys, 6, True)
 
@@ -124,7 +127,7 @@ def test_tree_is_deterministic_layout_independent_and_roots_match_independent(se
     a, b = _tree(setup), _tree(setup)
     assert a.texts == b.texts and torch.equal(a.old_logps, b.old_logps)
     # one group alone (a data-parallel rank's share) samples what it samples in the batch
-    part = generate_tree(model, tok, problems[1:2], G, task.max_new_tokens, 1.0,
+    part = generate_tree(model, tok, problems[1:2], SamplingSpec(G, task.max_new_tokens, layout="tree"),
                          keys[G:2 * G], task=task)
     assert part.texts == a.texts[G:2 * G]
     assert _tree(setup, branch_at="uniform").texts != a.texts
@@ -163,8 +166,9 @@ def test_repair_plan_picks_the_longest_agreeing_correct_reference():
 @pytest.mark.parametrize("mode", ["resample", "splice", "local"])
 def test_repair_rollout(setup, mode):
     model, tok, task, problems, keys = setup
-    ro = generate_repair(model, tok, problems, G, task.max_new_tokens, 1.0, keys, task, mode=mode,
-                         branch_token="alternative")
+    spec = SamplingSpec(G, task.max_new_tokens, 1.0, layout="repair", repair=mode,
+                        branch_token="alternative")
+    ro = generate_repair(model, tok, problems, spec, keys, task)
     ind = generate(model, tok, problems, G, task.max_new_tokens, row_keys=keys, task=task)
     own = (ro.repair_of < 0).nonzero().squeeze(-1)
     W = ind.response_ids.shape[1]
@@ -212,8 +216,8 @@ def test_local_repair_kv_reuse_equals_recomputation(setup, branch_token):
     in a batch, and twice."""
     model, tok, task, problems, keys = setup
     T = task.max_new_tokens
-    ro = generate_repair(model, tok, problems, G, T, 1.0, keys, task, mode="local",
-                         branch_token=branch_token)
+    spec = SamplingSpec(G, T, 1.0, layout="repair", repair="local", branch_token=branch_token)
+    ro = generate_repair(model, tok, problems, spec, keys, task)
     own, plan = _sampled_plan(ro)
     d_of = {int(own[i]): d for i, _, d in plan}
     rep = (ro.repair_of >= 0).nonzero().squeeze(-1).tolist()
@@ -227,13 +231,11 @@ def test_local_repair_kv_reuse_equals_recomputation(setup, branch_token):
         src = int(ro.group[i]) * G + (i - int((ro.group == ro.group[i]).nonzero()[0]))
         _recompute(model, tok, ro, r, i, t, mix_keys(keys[src].view(1), 1 + k)[0], T,
                    branch_token == "alternative")
-    again = generate_repair(model, tok, problems, G, T, 1.0, keys, task, mode="local",
-                            branch_token=branch_token)
+    again = generate_repair(model, tok, problems, spec, keys, task)
     assert again.texts == ro.texts and torch.equal(again.old_logps, ro.old_logps)
     assert torch.equal(again.branch_at, ro.branch_at) and again.discarded_tokens == ro.discarded_tokens
     g = 1
-    alone = generate_repair(model, tok, problems[g:g + 1], G, T, 1.0, keys[g * G:(g + 1) * G],
-                            task, mode="local", branch_token=branch_token)
+    alone = generate_repair(model, tok, problems[g:g + 1], spec, keys[g * G:(g + 1) * G], task)
     rows = (ro.group == g).nonzero().squeeze(-1)
     assert alone.texts == [ro.texts[j] for j in rows.tolist()]
     assert torch.equal(alone.branch_at, ro.branch_at[rows])

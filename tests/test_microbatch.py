@@ -17,7 +17,7 @@ import torch
 
 import gradlab
 from gradlab.core import objectives
-from gradlab.core.batch import TokenBatch, advantages
+from gradlab.core.batch import advantages
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.rollouts.rollout import generate
@@ -68,8 +68,7 @@ def _one_pass(model, obj, ro, adv, rows):
     lp, ent = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
                           ro.response_mask[rows], return_entropy=True)
     lp.retain_grad()
-    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, ro.old_logps[rows],
-                   adv[rows], ro.group[rows], rewards=ro.rewards[rows])
+    b = ro.token_batch(lp, adv, rows)
     loss = obj.loss(b)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

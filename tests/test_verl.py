@@ -183,7 +183,7 @@ def test_split_group_with_micro_batch_local_normaliser_breaks_cancellation():
 def test_on_the_tiny_model_W_and_dfpo_through_a_real_backward():
     """Real Qwen3 tiny policy: W of gradlab_measure:gspo = the hook on the model's log-probs in
     the real backward; gradlab_dfpo:vanilla's parameter gradient = that of −Σ sg(W̃)·l."""
-    from gradlab.core.batch import TokenBatch, advantages
+    from gradlab.core.batch import advantages
     from gradlab.core.cancellation import cancellation
     from gradlab.loop.numerics.logprobs import token_logps
     from gradlab.loop.rollouts.rollout import generate
@@ -219,7 +219,7 @@ def test_on_the_tiny_model_W_and_dfpo_through_a_real_backward():
     got = [p.grad.clone() for p in model.parameters()]
     W_t = gv.last_modulation()[0]
     z = torch.zeros_like(ro.old_logps)
-    batch = TokenBatch(ro.response_ids, ro.response_mask, z, z, adv, ro.group)
+    batch = ro.token_batch(z, adv, old_logps=z)
     assert cancellation(W_t, batch, sn=None).ratio < 1e-6 and m["gradlab/rho_full"] < 1e-6
     model.zero_grad()
     (-(W_t.float() * logps()).sum()).backward()

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from ...core.batch import TokenBatch, advantages
+from ...core.batch import advantages
 from ...core.nodes import shared_nodes
 from ...probes.fisher import adam_step_parts, context_logprobs_fn, float64_meter, kl_and_fisher
 from ...probes.tax import learning_tax
@@ -56,8 +56,7 @@ def _gradients(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch.Te
     with amp_context(cfg):  # the optimizer step's own forward (loop/numerics/precision.py)
         logps = token_logps(raw, ro.prompt_ids[rows], ro.prompt_mask[rows],
                             ro.response_ids[rows], ro.response_mask[rows], cfg.temperature)
-    batch = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], logps, ro.old_logps[rows],
-                       adv[rows], ro.group[rows], validate=False)
+    batch = ro.token_batch(logps, adv, rows, validate=False)
     loss, _ = L.objective(batch)
     names = list(params)
     out = torch.autograd.grad(loss, [logps] + [params[n] for n in names], retain_graph=True,

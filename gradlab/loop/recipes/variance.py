@@ -45,10 +45,10 @@ from ...probes import variance as V
 from ..config import ConfigError
 from ..numerics.logprobs import token_logps
 from ..rollouts.rollout import Rollout, generate
+from ..rollouts.spec import SamplingSpec
 from ..setup.heldout import TrainSplit
 from ..setup.policy import load_policy
 from ..setup.task import check_encodable, get_task
-from ..update.step import rows_batch
 
 ROLLOUTS = ("independent", "tree", "repair")
 COLUMNS = ("task", "rollout", "objective", "seed", "batch", "tokens", "metric", "value")
@@ -74,12 +74,14 @@ def draw(rollout: str, model, tok, task, problems: list, G: int, b: int, seed: i
     if rollout == "tree":
         from ..rollouts.tree import generate_tree
 
-        return generate_tree(model, tok, problems, G, max_new_tokens, temperature, keys, roots=1,
-                             branches=G - 1, branch_token="alternative", task=task)
+        star = SamplingSpec(G, max_new_tokens, temperature, layout="tree", roots=1,
+                            branches=G - 1, branch_token="alternative")
+        return generate_tree(model, tok, problems, star, keys, task=task)
     if rollout == "repair":
         from ..rollouts.repair import generate_repair
 
-        return generate_repair(model, tok, problems, G, max_new_tokens, temperature, keys, task)
+        spec = SamplingSpec(G, max_new_tokens, temperature, layout="repair")
+        return generate_repair(model, tok, problems, spec, keys, task)
     raise ValueError(f"unknown rollout {rollout!r}; valid: {', '.join(ROLLOUTS)}")
 
 
@@ -137,7 +139,8 @@ def batch_readings(model, params: list, ro: Rollout, objs: dict, adv_scale: str,
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask,
                      temperature)
     adv = advantages(ro.rewards, ro.group, scale=adv_scale)
-    batch = rows_batch(ro, rows, lp, adv, (N, int(ro.response_mask.sum()), ro.response_ids.shape[1]))
+    batch = ro.token_batch(lp, adv, rows, norms=(N, int(ro.response_mask.sum()), ro.response_ids.shape[1]),
+                           validate=False)
     m = batch.mask
     out = {}
     for name, obj in objs.items():

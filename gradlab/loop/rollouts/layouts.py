@@ -32,37 +32,31 @@ from __future__ import annotations
 import torch
 
 from ..config import LAYOUTS  # noqa: F401  (the option's values; re-exported)
-from .rollout import Rollout, generate
+from .rollout import Rollout, batch_repair_of, generate  # noqa: F401  (batch_repair_of: re-exported)
+from .spec import SamplingSpec
+
+
+def sample(model, tokenizer, problems: list, spec: SamplingSpec, row_keys: torch.Tensor,
+           task=None) -> Rollout:
+    """This rank's rollout of `problems` in the layout `spec.layout`; row_keys
+    (len(problems)·spec.G,) long are the independent layout's row keys (tree paths and
+    repaired rows derive theirs). task: rewards are scored when given (repair needs it)."""
+    if spec.layout == "tree":
+        from .tree import generate_tree
+
+        return generate_tree(model, tokenizer, problems, spec, row_keys, task=task)
+    if spec.layout == "repair":
+        from .repair import generate_repair
+
+        return generate_repair(model, tokenizer, problems, spec, row_keys, task)
+    return generate(model, tokenizer, problems, spec.G, spec.max_new_tokens, spec.temperature,
+                    amp=spec.amp, task=task, row_keys=row_keys, max_prompt_len=spec.max_prompt_len)
 
 
 def sample_layout(cfg, model, tok, problems: list, task, keys: torch.Tensor) -> Rollout:
-    """This rank's rollout of `problems` in the layout `cfg.rollout`; keys (len(problems)·G,)
-    are the independent layout's row keys (tree paths and repaired rows derive theirs)."""
-    T = cfg.max_new_tokens or task.max_new_tokens
-    if cfg.rollout == "tree":
-        from .tree import generate_tree
-
-        return generate_tree(model, tok, problems, cfg.G, T, cfg.temperature, keys, cfg.roots,
-                             cfg.branches, cfg.branch_at, cfg.branch_token, cfg.amp, task)
-    if cfg.rollout == "repair":
-        from .repair import generate_repair
-
-        return generate_repair(model, tok, problems, cfg.G, T, cfg.temperature, keys, task,
-                               cfg.repair, cfg.repair_tries, cfg.branch_token, cfg.amp)
-    return generate(model, tok, problems, cfg.G, T, cfg.temperature, amp=cfg.amp, task=task,
-                    row_keys=keys)
-
-
-def batch_repair_of(repair_of: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    """`Rollout.repair_of` (N,) re-indexed for a batch of rollout rows `rows` (B,): position in
-    `rows` of the row each repair corrects; −1 for non-repairs and for a repair whose original
-    is not among `rows` (groups stay whole in a step and a micro-batch, so it always is)."""
-    if repair_of is None:
-        return None
-    pos = torch.full_like(repair_of, -1)
-    pos[rows] = torch.arange(rows.numel(), device=rows.device)
-    r = repair_of[rows]
-    return torch.where(r >= 0, pos[r.clamp(min=0)], -1)
+    """This rank's rollout of `problems` under the RunConfig `cfg` (`SamplingSpec.from_config`,
+    then `sample`); keys (len(problems)·G,) are the independent layout's row keys."""
+    return sample(model, tok, problems, SamplingSpec.from_config(cfg, task), keys, task)
 
 
 def _trie_points(seqs: list[tuple], rewards: list[float]) -> tuple[int, int, int]:

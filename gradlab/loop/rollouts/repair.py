@@ -28,10 +28,13 @@ group-major: a group's G sampled rows, then its repairs in the order of the rows
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..config import REPAIR_MODES
 from ..numerics.logprobs import token_logps
+from .rollout import Rollout
+from .spec import Decoding, SamplingSpec
 from .tree import Paths, assemble, branch, mix_keys, sample_roots
 
 
@@ -78,53 +81,62 @@ def repair_plan(tokens: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor,
     return out
 
 
-@torch.no_grad()
-def generate_repair(model, tokenizer, problems: list, G: int, max_new_tokens: int,
-                    temperature: float, row_keys: torch.Tensor, task, mode: str = "resample",
-                    tries: int = 4, branch_token: str = "sample", amp: bool = False,
-                    max_prompt_len: int | None = None):
-    """G independent responses per problem (keyed like `rollout.generate`, the same rows) plus
-    the repairs of the module docstring. Returns a Rollout with `repair_of`, `parent` and
-    `branch_at` (= the repaired row and the position its repair re-samples or splices from: d,
-    or a local repair's p_k; −1 elsewhere), `generated` (a sampled repair: its tokens from
-    branch_at; a splice: 0), `repairs_tried` (candidates) and
-    `discarded_tokens` (tokens sampled by failed tries)."""
-    from ..numerics.precision import autocast
-    from .rollout import _encode_prompts, check_prompt_lengths, score, stop_ids
+@dataclass
+class RepairRows:
+    """The sampled rows of a repair rollout, group-major (N = n·G): prompt_ids/prompt_mask
+    (N, P), problems (N,) the Problem of each row, keys (N,) long noise keys, group (N,) long."""
 
-    if mode not in REPAIR_MODES or tries < 1 or temperature <= 0:
-        raise ValueError(f"repair {mode!r} (valid: {REPAIR_MODES}), tries {tries} (≥ 1), "
-                         f"temperature {temperature} (> 0)")
-    dev = next(model.parameters()).device
-    stops, n_vocab, n = stop_ids(model, tokenizer), len(tokenizer), len(problems)
-    rows = [p for p in problems for _ in range(G)]
-    pids, pmask = _encode_prompts(tokenizer, [p.prompt for p in rows], dev)
-    check_prompt_lengths(pmask.sum(-1)[::G].tolist(), max_prompt_len,
-                         getattr(model.config, "max_position_embeddings", None), max_new_tokens)
-    keys = row_keys.to(dev)
-    group = torch.arange(n * G, device=dev) // G
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    problems: list
+    keys: torch.Tensor
+    group: torch.Tensor
+
+
+@torch.no_grad()
+def generate_repair(model, tokenizer, problems: list, spec: SamplingSpec,
+                    row_keys: torch.Tensor, task) -> Rollout:
+    """spec.G independent responses per problem (keyed like `rollout.generate`, the same rows)
+    plus the repairs of the module docstring (spec.repair, spec.repair_tries,
+    spec.branch_token). Returns a Rollout with `repair_of`, `parent` and `branch_at` (= the
+    repaired row and the position its repair re-samples or splices from: d, or a local
+    repair's p_k; −1 elsewhere), `generated` (a sampled repair: its tokens from branch_at; a
+    splice: 0), `repairs_tried` (candidates) and `discarded_tokens` (tokens sampled by failed
+    tries). row_keys (len(problems)·G,) long; task: scores the rows and judges the tries."""
+    from ..numerics.precision import autocast
+    from .rollout import _encode_prompts, check_prompt_lengths
+
+    G = spec.G
+    if spec.repair_tries < 1 or spec.temperature <= 0:
+        raise ValueError(f"repair {spec.repair!r}, tries {spec.repair_tries} (≥ 1), "
+                         f"temperature {spec.temperature} (> 0)")
+    device = next(model.parameters()).device
+    dec, n = Decoding.of(spec, model, tokenizer), len(problems)
+    problem_of_row = [p for p in problems for _ in range(G)]
+    prompt_ids, prompt_mask = _encode_prompts(tokenizer, [p.prompt for p in problem_of_row],
+                                              device)  # (N, P)
+    check_prompt_lengths(prompt_mask.sum(-1)[::G].tolist(), spec.max_prompt_len,
+                         getattr(model.config, "max_position_embeddings", None), spec.max_new_tokens)
+    rows = RepairRows(prompt_ids, prompt_mask, problem_of_row, row_keys.to(device),
+                      torch.arange(n * G, device=device) // G)
     was_training = model.training
     model.eval()
     try:
-        with autocast(dev, amp):
-            base = sample_roots(model, pids, pmask, keys, max_new_tokens, temperature, stops,
-                                n_vocab)
-            first = assemble(tokenizer, stops, pids, pmask, rows, group, [base],
-                             [(0, r) for r in range(n * G)], temperature)
-            correct = torch.tensor([task.is_correct(p, t) for p, t in zip(rows, first.texts)],
-                                   device=dev)
-            plan = repair_plan(base.tokens, base.mask, correct, group)
-            args = (model, tokenizer, task, base, plan, pids, pmask, rows, keys, max_new_tokens,
-                    temperature, stops, n_vocab)
-            alt = branch_token == "alternative"
-            if mode == "splice":
-                parts, kept, discarded = _splice(*args)
+        with autocast(device, spec.amp):
+            base = sample_roots(model, prompt_ids, prompt_mask, rows.keys, dec)
+            first = assemble(tokenizer, dec, prompt_ids, prompt_mask, problem_of_row, rows.group,
+                             [base], [(0, r) for r in range(n * G)])
+            correct = torch.tensor([task.is_correct(p, t)
+                                    for p, t in zip(problem_of_row, first.texts)], device=device)
+            plan = repair_plan(base.tokens, base.mask, correct, rows.group)
+            if spec.repair == "splice":
+                parts, kept, discarded = _splice(model, base, plan, rows, dec)
             else:
-                parts, kept, discarded = _resample(*args, tries, alt, mode == "local")
+                parts, kept, discarded = _resample(model, tokenizer, task, base, plan, rows, spec,
+                                                   dec)
     finally:
         model.train(was_training)
-    return _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, len(plan),
-                           temperature, task, score, discarded)
+    return _repair_rollout(tokenizer, rows, parts, kept, len(plan), discarded, dec, task)
 
 
 def local_positions(tokens: torch.Tensor, mask: torch.Tensor, d: torch.Tensor,
@@ -138,35 +150,39 @@ def local_positions(tokens: torch.Tensor, mask: torch.Tensor, d: torch.Tensor,
     return torch.maximum(torch.where(stopped, L - 1, L) - 1, d)
 
 
-def _resample(model, tokenizer, task, base: Paths, plan, pids, pmask, rows, keys, T,
-              temperature, stops, n_vocab, tries: int, alternative: bool, local: bool = False):
-    """Up to `tries` re-samples of each planned repair, from its departure d, or (`local`)
-    from the positions of `local_positions` walking back to d; the first correct one is kept.
-    Returns (parts, kept {row i: (part, row in part, position)}, tokens sampled by failed tries)."""
+def _resample(model, tokenizer, task, base: Paths, plan, rows: RepairRows, spec: SamplingSpec,
+              dec: Decoding):
+    """Up to spec.repair_tries re-samples of each planned repair, from its departure d, or
+    (repair "local") from the positions of `local_positions` walking back to d; the first
+    correct one is kept. Returns (parts, kept {row i: (part, row in part, position)}, tokens
+    sampled by failed tries)."""
     from .rollout import _decode
 
+    local = spec.repair == "local"
     parts, kept, discarded = [base], {}, 0
-    todo = [(i, d) for i, _, d in plan]
-    top = {}
+    todo = [(i, d) for i, _, d in plan]  # (row, departure) still to repair
+    top = {}  # local: row -> the first position tried
+    dev = rows.prompt_ids.device
     if local and todo:
-        i_t = torch.tensor([i for i, _ in todo], device=pids.device)
-        d_t = torch.tensor([d for _, d in todo], device=pids.device)
-        top = dict(zip(i_t.tolist(), local_positions(base.tokens[i_t], base.mask[i_t], d_t,
-                                                     stops).tolist()))
-    for k in range(tries):
-        todo = [(i, d) for i, d in todo if not local or top[i] - k >= d]  # positions left
+        bad = torch.tensor([i for i, _ in todo], device=dev)  # (M,) rows to repair
+        departure = torch.tensor([d for _, d in todo], device=dev)  # (M,)
+        top = dict(zip(bad.tolist(), local_positions(base.tokens[bad], base.mask[bad], departure,
+                                                     list(dec.stops)).tolist()))
+    for attempt in range(spec.repair_tries):
+        todo = [(i, d) for i, d in todo if not local or top[i] - attempt >= d]  # positions left
         if not todo:
             break
-        idx = torch.tensor([i for i, _ in todo], device=pids.device)
-        at = torch.tensor([top[i] - k if local else d for i, d in todo], device=pids.device)
-        plen = pmask[idx].sum(-1)
-        child = branch(model, base, idx, at, mix_keys(keys[idx], 1 + k), pids[idx, -1], plen,
-                       alternative, T, temperature, stops, n_vocab)
-        texts = _decode(tokenizer, child.tokens, child.mask, stops)
+        idx = torch.tensor([i for i, _ in todo], device=dev)  # (M,) rows repaired this try
+        at = torch.tensor([top[i] - attempt if local else d for i, d in todo], device=dev)  # (M,)
+        child = branch(model, base, idx, at, mix_keys(rows.keys[idx], 1 + attempt),
+                       prompt_last=rows.prompt_ids[idx, -1],
+                       prompt_len=rows.prompt_mask[idx].sum(-1), alternative=spec.alternative,
+                       dec=dec)
+        texts = _decode(tokenizer, child.tokens, child.mask, dec.stops)
         parts.append(child)
         left = []
         for r, ((i, d), text) in enumerate(zip(todo, texts)):
-            if task.is_correct(rows[i], text):
+            if task.is_correct(rows.problems[i], text):
                 kept[i] = (len(parts) - 1, r, int(at[r]))
             else:
                 discarded += int(child.lengths[r] - at[r])
@@ -175,28 +191,31 @@ def _resample(model, tokenizer, task, base: Paths, plan, pids, pmask, rows, keys
     return parts, kept, discarded
 
 
-def _splice(model, tokenizer, task, base: Paths, plan, pids, pmask, rows, keys, T,
-            temperature, stops, n_vocab):
+def _splice(model, base: Paths, plan, rows: RepairRows, dec: Decoding):
     """Each planned repair as row i before d and the reference from d on; old log-probs by
     teacher forcing. Returns (parts, kept, 0)."""
     if not plan:
         return [base], {}, 0
-    dev = pids.device
+    dev, T = rows.prompt_ids.device, dec.max_new_tokens
     i, ref, d = (torch.tensor(c, device=dev) for c in zip(*plan))
     pos = torch.arange(T, device=dev)
-    head = pos < d[:, None]
+    head = pos < d[:, None]  # (M, T) positions kept from row i
     tokens = torch.where(head, base.tokens[i], base.tokens[ref])
     mask = torch.where(head, base.mask[i], base.mask[ref])
-    logps = token_logps(model, pids[i], pmask[i], tokens, mask, temperature)
+    logps = token_logps(model, rows.prompt_ids[i], rows.prompt_mask[i], tokens, mask,
+                        dec.temperature)
     zero = torch.zeros_like(logps)
     part = Paths(tokens, logps, zero, mask, d, None, head[:, :0], head[:, :0].long())
     return [base, part], {int(r): (1, k, int(d[k])) for k, r in enumerate(i.tolist())}, 0
 
 
-def _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, tried: int,
-                    temperature, task, score, discarded):
+def _repair_rollout(tokenizer, rows: RepairRows, parts: list[Paths], kept: dict, tried: int,
+                    discarded: int, dec: Decoding, task) -> Rollout:
     """Group-major rows: each group's sampled rows, then its repairs (module docstring)."""
-    dev = pids.device
+    from .rollout import score
+
+    group = rows.group
+    dev = group.device
     G = int((group == 0).sum())
     pick, src, repair_of, branch_at = [], [], [], []
     for g in range(int(group.max()) + 1 if group.numel() else 0):
@@ -209,9 +228,9 @@ def _repair_rollout(tokenizer, stops, pids, pmask, rows, group, parts, kept, tri
     src_t = torch.tensor(src, device=dev)
     rep = torch.tensor(repair_of, device=dev)
     at = torch.tensor(branch_at, device=dev)
-    ro = assemble(tokenizer, stops, pids[src_t], pmask[src_t], [rows[i] for i in src],
-                  group[src_t], parts, pick, temperature, repair_of=rep, parent=rep,
-                  branch_at=at, repairs_tried=tried, discarded_tokens=discarded)
+    ro = assemble(tokenizer, dec, rows.prompt_ids[src_t], rows.prompt_mask[src_t],
+                  [rows.problems[i] for i in src], group[src_t], parts, pick, repair_of=rep,
+                  parent=rep, branch_at=at, repairs_tried=tried, discarded_tokens=discarded)
     spliced = rep >= 0
     if len(parts) > 1 and parts[1].cache is None:  # splice: nothing was sampled
         ro.generated = torch.where(spliced, 0, ro.lengths)

@@ -16,9 +16,11 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from ...core.batch import TokenBatch
 from ..config import ConfigError
 from ..numerics.logprobs import positions as _positions
 from ..numerics.precision import autocast
+from .spec import Decoding, stop_ids
 
 
 @dataclass
@@ -63,6 +65,32 @@ class Rollout:
         """(N,) long, response tokens including EOS."""
         return self.response_mask.sum(-1)
 
+    def token_batch(self, logps: torch.Tensor, advantages: torch.Tensor,
+                    rows: torch.Tensor | None = None, *, t: int | None = None,
+                    norms: tuple[int, int, int] | None = None,
+                    old_logps: torch.Tensor | None = None, validate: bool = True) -> TokenBatch:
+        """The `TokenBatch` of rollout rows `rows` (B,) long (None: all N rows, B = N), cut to
+        the first `t` response positions (None: all T).
+
+        logps (B, t): the current policy's log-probs of those rows (nats; may require grad).
+        advantages (N,) or (N, T'): one per rollout row, indexed by `rows` here.
+        old_logps (B, t): the behaviour log-probs to use; None: the rollout's own
+        `old_logps[rows, :t]`. rewards (B,) and `repair_of` come along when the rollout has them;
+        `repair_of` is renumbered into the batch's rows (`batch_repair_of`).
+        norms: the loss normalisers' totals (n_seqs, n_tokens, width) of a larger batch this one
+        is part of; None: the batch's own. validate: TokenBatch's checks (False skips the
+        finiteness check's device sync)."""
+        pick = slice(None) if rows is None else rows
+        width = self.response_ids.shape[1] if t is None else t
+        n_seqs, n_tokens, n_width = (None, None, None) if norms is None else norms
+        return TokenBatch(
+            self.response_ids[pick, :width], self.response_mask[pick, :width], logps,
+            self.old_logps[pick, :width] if old_logps is None else old_logps,
+            advantages[pick], self.group[pick],
+            rewards=None if self.rewards is None else self.rewards[pick],
+            repair_of=self.repair_of if rows is None else batch_repair_of(self.repair_of, rows),
+            n_seqs=n_seqs, n_tokens=n_tokens, width=n_width, validate=validate)
+
     def to(self, device: torch.device | str) -> Rollout:
         """A copy with every tensor moved to `device`."""
         kw = {}
@@ -70,6 +98,18 @@ class Rollout:
             v = getattr(self, f.name)
             kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
         return Rollout(**kw)
+
+
+def batch_repair_of(repair_of: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """`Rollout.repair_of` (N,) re-indexed for a batch of rollout rows `rows` (B,): position in
+    `rows` of the row each repair corrects; −1 for non-repairs and for a repair whose original
+    is not among `rows` (groups stay whole in a step and a micro-batch, so it always is)."""
+    if repair_of is None:
+        return None
+    pos = torch.full_like(repair_of, -1)
+    pos[rows] = torch.arange(rows.numel(), device=rows.device)
+    corrected = repair_of[rows]  # (B,) rollout row each batch row corrects, −1 none
+    return torch.where(corrected >= 0, pos[corrected.clamp(min=0)], -1)
 
 
 def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cpu"):
@@ -179,16 +219,6 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS and the model's
-    generation_config.eos_token_id (an int or a list; Qwen3 chat models add <|im_end|>)."""
-    ids = [tokenizer.eos_token_id]
-    gc = getattr(model, "generation_config", None)
-    extra = getattr(gc, "eos_token_id", None) if gc is not None else None
-    ids += [extra] if isinstance(extra, int) else list(extra or [])
-    return sorted({int(i) for i in ids if i is not None})
-
-
 def check_prompt_lengths(lengths: list[int], max_prompt_len: int | None = None,
                          max_positions: int | None = None, max_new_tokens: int = 0,
                          prompts: list[str] | None = None) -> None:
@@ -255,8 +285,9 @@ def generate(
     pad_id = tokenizer.pad_token_id
     stops = stop_ids(model, tokenizer)
     rows = [p for p in problems for _ in range(G)]  # group-major
-    prompt_ids, prompt_mask = _encode_prompts(tokenizer, [p.prompt for p in rows], device)
+    prompt_ids, prompt_mask = _encode_prompts(tokenizer, [p.prompt for p in rows], device)  # (N, P)
     N = len(rows)
+    dec = Decoding(max_new_tokens, temperature, tuple(stops), len(tokenizer))
     check_prompt_lengths(prompt_mask.sum(-1)[::G].tolist(), max_prompt_len,
                          getattr(model.config, "max_position_embeddings", None), max_new_tokens)
 
@@ -264,8 +295,8 @@ def generate(
     model.eval()
     try:
         with autocast(device, amp):
-            toks, logps = _sample_loop(model, prompt_ids, prompt_mask, max_new_tokens, temperature,
-                                       generator, stops, pad_id, row_keys, len(tokenizer))
+            toks, logps = _sample_loop(model, prompt_ids, prompt_mask, dec, pad_id=pad_id,
+                                       generator=generator, row_keys=row_keys)
     finally:
         model.train(was_training)
 
@@ -293,27 +324,28 @@ def generate(
     return ro
 
 
-def _sample_loop(
-    model, prompt_ids, prompt_mask, max_new_tokens, temperature, generator, stops, pad_id,
-    row_keys=None, n_vocab=None,
-):
-    """KV-cached sampling; returns lists (one entry per step) of tokens (N,) and log-probs (N,).
+def _sample_loop(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, dec: Decoding, *,
+                 pad_id: int, generator: torch.Generator | None,
+                 row_keys: torch.Tensor | None = None) -> tuple[list, list]:
+    """KV-cached sampling of the prompts (N, P) for up to dec.max_new_tokens tokens at
+    dec.temperature; returns lists (one entry per step) of tokens (N,) and log-probs (N,).
 
-    After a row's stop id its tokens are pad and its log-probs 0; stops early when all rows are
-    done. logits_to_keep=1: the prompt forward builds (N, 1, V) logits, never (N, P, V).
+    After a row's stop id (dec.stops) its tokens are pad and its log-probs 0; stops early when
+    all rows are done. logits_to_keep=1: the prompt forward builds (N, 1, V) logits, never
+    (N, P, V). row_keys (N,) or None: hashed noise per row, else `generator`'s (`_sample`).
     """
     N, device = prompt_ids.shape[0], prompt_ids.device
     mask = prompt_mask.long()  # (N, P + t) attention mask over everything so far
     pos = _positions(prompt_mask)  # (N, P) position ids of the tokens being fed
     ids, cache = prompt_ids, None
-    stop = torch.tensor(stops, device=device)
+    stop = torch.tensor(dec.stops, device=device)
     toks, logps = [], []
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    for t in range(max_new_tokens):
+    for t in range(dec.max_new_tokens):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.cache
-        tok, lp = _sample(out.logits[:, -1], temperature, generator, row_keys, t, n_vocab)
+        tok, lp = _sample(out.logits[:, -1], dec.temperature, generator, row_keys, t, dec.n_vocab)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         toks.append(tok)
         logps.append(torch.where(done, torch.zeros_like(lp), lp))

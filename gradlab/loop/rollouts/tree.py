@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..config import BRANCH_AT, BRANCH_TOKEN
 from ..numerics.logprobs import positions as _positions
-from .rollout import _GOLD, _MIX1, _MIX2, _inverse_cdf, _srl, hashed_uniform
+from .rollout import _GOLD, _MIX1, _MIX2, Rollout, _inverse_cdf, _srl, hashed_uniform
+from .spec import Decoding, SamplingSpec
 
 POSITION_SALT = 7  # `mix_keys` salt of the noise that picks branch positions
 
@@ -120,21 +120,24 @@ def draw(logits: torch.Tensor, temperature: float, keys: torch.Tensor, t: torch.
 
 @torch.no_grad()
 def decode(model, feed: torch.Tensor, feed_mask: torch.Tensor, feed_pos: torch.Tensor,
-           cache: DynamicCache | None, live: torch.Tensor, cpos: torch.Tensor,
-           start: torch.Tensor, keys: torch.Tensor, prefix: tuple, exclude: torch.Tensor | None,
-           T: int, temperature: float, stops: list[int], n_vocab: int) -> Paths:
-    """Sample every row from its response position `start` (M,) until a stop id or T.
+           cache: DynamicCache | None, live: torch.Tensor, cpos: torch.Tensor, *,
+           start: torch.Tensor, keys: torch.Tensor, prefix: tuple,
+           exclude: torch.Tensor | None, dec: Decoding) -> Paths:
+    """Sample every row from its response position `start` (M,) until a stop id or
+    T = dec.max_new_tokens, at dec.temperature, ids < dec.n_vocab.
 
     feed/feed_mask/feed_pos (M, k): what is fed first (the prompt for roots; the last prefix
     token for a branch), its mask and position ids; cache/live/cpos: the prefix's KV cache,
     (M, L) columns attended to and their position ids (None, (M, 0), (M, 0) for roots).
-    prefix: (tokens, logps, ent) (M, T) holding the rows' prefixes at positions < start.
-    exclude (M,): a token id each row's first draw may not take (−1: none), see `draw`.
+    keys (M,): each row's noise key. prefix: (tokens, logps, ent) (M, T) holding the rows'
+    prefixes at positions < start. exclude (M,): a token id each row's first draw may not take
+    (−1: none), see `draw`.
     """
-    tokens, logps, ent = (x.clone() for x in prefix)
+    T, temperature, n_vocab = dec.max_new_tokens, dec.temperature, dec.n_vocab
+    tokens, logps, ent = (x.clone() for x in prefix)  # (M, T) each
     length = start.clone()
-    t, done = start.clone(), start >= T
-    stop = torch.tensor(stops, device=feed.device)
+    t, done = start.clone(), start >= T  # (M,) next position to sample, row finished
+    stop = torch.tensor(dec.stops, device=feed.device)
     first = True
     while not bool(done.all()):
         live = torch.cat([live, feed_mask], -1)
@@ -142,15 +145,17 @@ def decode(model, feed: torch.Tensor, feed_mask: torch.Tensor, feed_pos: torch.T
         out = model(input_ids=feed, attention_mask=live.long(), position_ids=feed_pos,
                     cache=cache, use_cache=True, logits_to_keep=1)
         cache = out.cache
-        tok, lp, h = draw(out.logits[:, -1], temperature, keys, t, n_vocab,
-                          exclude if first else None)
+        token, logp, entropy = draw(out.logits[:, -1], temperature, keys, t, n_vocab,
+                                    exclude if first else None)  # (M,) each
         first = False
-        w = (~done).nonzero().squeeze(-1)
-        tokens[w, t[w]], logps[w, t[w]], ent[w, t[w]] = tok[w], lp[w], h[w]
-        length[w] = t[w] + 1
-        done = done | torch.isin(tok, stop) | (t + 1 >= T)
+        active = (~done).nonzero().squeeze(-1)
+        at = t[active]
+        tokens[active, at], logps[active, at], ent[active, at] = (
+            token[active], logp[active], entropy[active])
+        length[active] = at + 1
+        done = done | torch.isin(token, stop) | (t + 1 >= T)
         t = torch.where(done, t, t + 1)
-        feed, feed_mask, feed_pos = tok[:, None], torch.ones_like(feed_mask[:, :1]), feed_pos[:, -1:] + 1
+        feed, feed_mask, feed_pos = token[:, None], torch.ones_like(feed_mask[:, :1]), feed_pos[:, -1:] + 1
     mask = torch.arange(T, device=feed.device) < length[:, None]
     return Paths(tokens, logps.masked_fill(~mask, 0.0), ent.masked_fill(~mask, 0.0), mask,
                  start, cache, live, cpos)
@@ -172,16 +177,18 @@ def branch_order(par: Paths, keys: torch.Tensor, branch_at: str) -> tuple[torch.
     return torch.argsort(score, dim=-1, descending=True, stable=True), ok.sum(-1)
 
 
-def branch(model, par: Paths, idx: torch.Tensor, at: torch.Tensor, keys: torch.Tensor,
-           prompt_last: torch.Tensor, prompt_len: torch.Tensor, alternative: bool, T: int,
-           temperature: float, stops: list[int], n_vocab: int) -> Paths:
+def branch(model, par: Paths, idx: torch.Tensor, at: torch.Tensor, keys: torch.Tensor, *,
+           prompt_last: torch.Tensor, prompt_len: torch.Tensor, alternative: bool,
+           dec: Decoding) -> Paths:
     """New rows that copy parent rows `idx` (M,) of `par` up to response position `at` (M,)
-    (exclusive) and re-sample from there, reusing the parents' KV cache.
+    (exclusive) and re-sample from there, reusing the parents' KV cache; keys (M,): their
+    noise keys.
 
     prompt_last (M,): the last prompt token of each row's prompt (fed again when at == 0);
     prompt_len (M,): real prompt tokens (position id of response position t = prompt_len + t).
     alternative: the first drawn token may not be the parent's token at `at`.
     """
+    T = dec.max_new_tokens
     pos = torch.arange(T, device=at.device)
     keep = pos < at[:, None]
     prefix = (torch.where(keep, par.tokens[idx], par.tokens.new_zeros(())),
@@ -192,29 +199,30 @@ def branch(model, par: Paths, idx: torch.Tensor, at: torch.Tensor, keys: torch.T
     feed = torch.where(at == 0, prompt_last, prev)[:, None]
     exclude = par.tokens[idx, at.clamp(max=T - 1)] if alternative else None
     return decode(model, feed, torch.ones_like(feed, dtype=torch.bool), last[:, None],
-                  select_cache(par.cache, idx), live, par.cpos[idx], at, keys, prefix, exclude,
-                  T, temperature, stops, n_vocab)
+                  select_cache(par.cache, idx), live, par.cpos[idx], start=at, keys=keys,
+                  prefix=prefix, exclude=exclude, dec=dec)
 
 
 def sample_roots(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, keys: torch.Tensor,
-                 T: int, temperature: float, stops: list[int], n_vocab: int) -> Paths:
-    """Independent responses to the rows' prompts (M, P), keyed like `rollout.generate`."""
-    M, dev = prompt_ids.shape[0], prompt_ids.device
+                 dec: Decoding) -> Paths:
+    """Independent responses to the rows' prompts (M, P), keys (M,), keyed like
+    `rollout.generate`."""
+    M, dev, T = prompt_ids.shape[0], prompt_ids.device, dec.max_new_tokens
     z = torch.zeros(M, dtype=torch.long, device=dev)
     empty = torch.zeros(M, 0, dtype=torch.long, device=dev)
     prefix = (torch.zeros(M, T, dtype=torch.long, device=dev), torch.zeros(M, T, device=dev),
               torch.zeros(M, T, device=dev))
     return decode(model, prompt_ids, prompt_mask, _positions(prompt_mask), None, empty.bool(),
-                  empty, z, keys, prefix, None, T, temperature, stops, n_vocab)
+                  empty, start=z, keys=keys, prefix=prefix, exclude=None, dec=dec)
 
 
-def assemble(tokenizer, stops: list[int], prompt_ids, prompt_mask, problems: list,
-             group: torch.Tensor, parts: list[Paths], pick: list[tuple[int, int]],
-             temperature: float, **extra):
+def assemble(tokenizer, dec: Decoding, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             problems: list, group: torch.Tensor, parts: list[Paths],
+             pick: list[tuple[int, int]], **extra) -> Rollout:
     """A Rollout of rows pick[i] = (part, row in part) of decoding rounds `parts`; prompt_ids,
-    prompt_mask, problems and group are per output row. The width is trimmed to the longest
-    response; tokens after a row's stop are the pad id. extra: further Rollout fields."""
-    from .rollout import Rollout, _decode
+    prompt_mask (N, P), problems and group (N,) are per output row. The width is trimmed to the
+    longest response; tokens after a row's stop are the pad id. extra: further Rollout fields."""
+    from .rollout import _decode
 
     def cat(name):
         return torch.stack([getattr(parts[a], name)[r] for a, r in pick])
@@ -226,96 +234,130 @@ def assemble(tokenizer, stops: list[int], prompt_ids, prompt_mask, problems: lis
     logps = cat("logps")[:, :width].float().masked_fill(~mask, 0.0)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids,
                    response_mask=mask, old_logps=logps, group=group,
-                   texts=_decode(tokenizer, ids, mask, stops), problems=problems,
-                   temperature=temperature, **extra)
+                   texts=_decode(tokenizer, ids, mask, dec.stops), problems=problems,
+                   temperature=dec.temperature, **extra)
+
+
+@dataclass
+class TreePlan:
+    """Where every path of a group's tree is sampled (the same for every group).
+
+    shape: `tree_shape(G, roots, branches)`; where[j] = (round, slot): path j is sampled in
+    breadth-first round `round` (its depth), as the slot-th of that round's paths of a group (a
+    round's rows are group-major: group g's slot s is row g·len(round) + s). keys (n, G) long:
+    the noise key of path j of group g; prompt_ids/prompt_mask (n, P): each group's prompt.
+    """
+
+    shape: list[tuple[int, int, int]]
+    where: dict[int, tuple[int, int]]
+    keys: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, spec: SamplingSpec, keys: torch.Tensor, prompt_ids: torch.Tensor,
+              prompt_mask: torch.Tensor) -> TreePlan:
+        shape = tree_shape(spec.G, spec.roots, spec.branches)
+        depth = [0] * spec.G
+        for path, parent, _ in shape:
+            depth[path] = 0 if parent < 0 else depth[parent] + 1
+        where = {}
+        for d in range(max(depth) + 1):
+            for slot, path in enumerate(p for p in range(spec.G) if depth[p] == d):
+                where[path] = (d, slot)
+        return cls(shape, where, keys, prompt_ids, prompt_mask)
+
+    @property
+    def rounds(self) -> int:
+        return max(d for d, _ in self.where.values()) + 1
+
+    def paths(self, round_: int) -> list[int]:
+        """The paths of one group sampled in round `round_`, in slot order."""
+        return [j for j in range(len(self.shape)) if self.where[j][0] == round_]
+
+    def rows(self, paths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group (n·len(paths),), keys (n·len(paths),)) of a round's rows, group-major."""
+        n, dev = self.keys.shape[0], self.keys.device
+        group = torch.arange(n, device=dev).repeat_interleave(len(paths))
+        return group, self.keys[group, torch.tensor(paths, device=dev).repeat(n)]
 
 
 @torch.no_grad()
-def generate_tree(model, tokenizer, problems: list, G: int, max_new_tokens: int,
-                  temperature: float, row_keys: torch.Tensor, roots: int = 2, branches: int = 2,
-                  branch_at: str = "entropy", branch_token: str = "sample", amp: bool = False,
-                  task=None, max_prompt_len: int | None = None):
-    """G responses per problem as a tree per group (module docstring); a `Rollout` whose rows
-    are group-major, row g·G + j = path j of group g, with `parent` (row of the parent path,
-    −1 for roots), `branch_at` (response position where the row leaves its parent, −1 for
-    roots) and `generated` (tokens the sampler produced for the row: length − branch_at).
-    row_keys (len(problems)·G,): the keys of the independent layout's rows (`rollout.generate`)."""
+def generate_tree(model, tokenizer, problems: list, spec: SamplingSpec, row_keys: torch.Tensor,
+                  task=None) -> Rollout:
+    """spec.G responses per problem as a tree per group (module docstring; spec.roots,
+    spec.branches, spec.branch_at, spec.branch_token); a `Rollout` whose rows are group-major,
+    row g·G + j = path j of group g, with `parent` (row of the parent path, −1 for roots),
+    `branch_at` (response position where the row leaves its parent, −1 for roots) and
+    `generated` (tokens the sampler produced for the row: length − branch_at).
+    row_keys (len(problems)·G,): the keys of the independent layout's rows (`rollout.generate`).
+    task: rewards are scored when given."""
     from ..numerics.precision import autocast
-    from .rollout import _encode_prompts, check_prompt_lengths, score, stop_ids
+    from .rollout import _encode_prompts, check_prompt_lengths
 
-    if branch_at not in BRANCH_AT or branch_token not in BRANCH_TOKEN:
-        raise ValueError(f"branch_at {branch_at!r} / branch_token {branch_token!r}; valid: "
-                         f"{BRANCH_AT} / {BRANCH_TOKEN}")
-    if temperature <= 0 or not 1 <= roots <= G or branches < 1:
+    G = spec.G
+    if spec.temperature <= 0 or not 1 <= spec.roots <= G or spec.branches < 1:
         raise ValueError(f"tree rollouts need temperature > 0, 1 ≤ roots ≤ G, branches ≥ 1; got "
-                         f"{temperature}, roots {roots}, G {G}, branches {branches}")
-    dev = next(model.parameters()).device
-    stops, n_vocab, n = stop_ids(model, tokenizer), len(tokenizer), len(problems)
-    pids, pmask = _encode_prompts(tokenizer, [p.prompt for p in problems], dev)  # (n, P)
-    check_prompt_lengths(pmask.sum(-1).tolist(), max_prompt_len,
-                         getattr(model.config, "max_position_embeddings", None), max_new_tokens)
-    keys = row_keys.to(dev).view(n, G)
-    shape = tree_shape(G, roots, branches)
-    depth = [0] * G
-    for j, p, _ in shape:
-        depth[j] = 0 if p < 0 else depth[p] + 1
-    where = {}  # path j -> (round, slot within the round's paths of one group)
-    parts: list[Paths] = []
+                         f"{spec.temperature}, roots {spec.roots}, G {G}, branches {spec.branches}")
+    device = next(model.parameters()).device
+    dec, n = Decoding.of(spec, model, tokenizer), len(problems)
+    prompt_ids, prompt_mask = _encode_prompts(tokenizer, [p.prompt for p in problems], device)  # (n, P)
+    check_prompt_lengths(prompt_mask.sum(-1).tolist(), spec.max_prompt_len,
+                         getattr(model.config, "max_position_embeddings", None), spec.max_new_tokens)
+    plan = TreePlan.build(spec, row_keys.to(device).view(n, G), prompt_ids, prompt_mask)
+    parts: list[Paths] = []  # one decoding round per tree depth
     was_training = model.training
     model.eval()
     try:
-        with autocast(dev, amp):
-            for d in range(max(depth) + 1):
-                js = [j for j in range(G) if depth[j] == d]
-                for s, j in enumerate(js):
-                    where[j] = (d, s)
-                g = torch.arange(n, device=dev).repeat_interleave(len(js))  # group of each row
-                k = keys[g, torch.tensor(js, device=dev).repeat(n)]
+        with autocast(device, spec.amp):
+            for d in range(plan.rounds):
+                paths = plan.paths(d)
+                group, keys = plan.rows(paths)  # (n·len(paths),) each
                 if d == 0:
-                    parts.append(sample_roots(model, pids[g], pmask[g], k, max_new_tokens,
-                                              temperature, stops, n_vocab))
+                    parts.append(sample_roots(model, prompt_ids[group], prompt_mask[group], keys,
+                                              dec))
                     continue
-                parts.append(_children(model, parts[d - 1], shape, js, where, g, k, keys,
-                                       pids, pmask, branch_at, branch_token, max_new_tokens,
-                                       temperature, stops, n_vocab))
+                parts.append(_children(model, plan, parts[d - 1], paths, spec, dec))
                 parts[d - 1].cache = None  # its children are made: free its KV cache
     finally:
         model.train(was_training)
-    return _tree_rollout(tokenizer, stops, problems, pids, pmask, parts, shape, where, G,
-                         temperature, task, score)
+    return _tree_rollout(tokenizer, plan, parts, problems, dec, task)
 
 
-def _children(model, par: Paths, shape, js, where, g, k, keys, pids, pmask, branch_at,
-              branch_token, T, temperature, stops, n_vocab) -> Paths:
-    """One breadth-first round: paths `js` of every group, branched from their parents in
-    round `par` (rows of a round are group-major: group g's slot s is row g·len + s)."""
-    r = where[shape[js[0]][1]][0]  # every parent of a breadth-first round is in the last one
-    par_paths = [j for j in range(len(shape)) if j in where and where[j][0] == r]  # slot order
-    n_par, n = len(par_paths), keys.shape[0]
-    pkeys = keys[torch.arange(n, device=keys.device).repeat_interleave(n_par),
-                 torch.tensor(par_paths, device=keys.device).repeat(n)]
-    order, avail = branch_order(par, pkeys, branch_at)
-    slot = torch.tensor([where[shape[j][1]][1] for j in js], device=g.device).repeat(len(pids))
-    idx = g * n_par + slot  # parent row in `par`
-    kth = torch.tensor([shape[j][2] for j in js], device=g.device).repeat(len(pids))
-    at = order[idx, kth % avail[idx]]
-    plen = pmask.sum(-1)[g]
-    return branch(model, par, idx, at, k, pids[g, -1], plen, branch_token == "alternative",
-                  T, temperature, stops, n_vocab)
+def _children(model, plan: TreePlan, parents: Paths, paths: list[int], spec: SamplingSpec,
+              dec: Decoding) -> Paths:
+    """One breadth-first round: `paths` of every group, branched from their parents, the rows
+    of the previous round `parents`."""
+    parent_round = plan.where[plan.shape[paths[0]][1]][0]  # every parent is in the last round
+    parent_paths = plan.paths(parent_round)  # slot order
+    n_par, n, dev = len(parent_paths), plan.keys.shape[0], plan.keys.device
+    _, parent_keys = plan.rows(parent_paths)  # (n·n_par,)
+    order, avail = branch_order(parents, parent_keys, spec.branch_at)  # (n·n_par, T), (n·n_par,)
+    group, keys = plan.rows(paths)  # (M,) M = n·len(paths)
+    slot = torch.tensor([plan.where[plan.shape[j][1]][1] for j in paths], device=dev).repeat(n)
+    idx = group * n_par + slot  # (M,) parent row in `parents`
+    kth = torch.tensor([plan.shape[j][2] for j in paths], device=dev).repeat(n)  # child index
+    at = order[idx, kth % avail[idx]]  # (M,) branch positions
+    return branch(model, parents, idx, at, keys, prompt_last=plan.prompt_ids[group, -1],
+                  prompt_len=plan.prompt_mask.sum(-1)[group], alternative=spec.alternative,
+                  dec=dec)
 
 
-def _tree_rollout(tokenizer, stops, problems, pids, pmask, parts, shape, where, G,
-                  temperature, task, score):
-    n, dev = len(problems), pids.device
-    per_round = [sum(1 for d, _ in where.values() if d == r) for r in range(len(parts))]
-    pick = [(where[j][0], g * per_round[where[j][0]] + where[j][1])
+def _tree_rollout(tokenizer, plan: TreePlan, parts: list[Paths], problems: list, dec: Decoding,
+                  task) -> Rollout:
+    """The group-major Rollout of the rounds `parts` (row g·G + j = path j of group g)."""
+    from .rollout import score
+
+    n, G, dev = len(problems), len(plan.shape), plan.prompt_ids.device
+    per_round = [sum(1 for d, _ in plan.where.values() if d == r) for r in range(len(parts))]
+    pick = [(plan.where[j][0], g * per_round[plan.where[j][0]] + plan.where[j][1])
             for g in range(n) for j in range(G)]
-    rows = torch.arange(n, device=dev).repeat_interleave(G)
-    parent = torch.tensor([-1 if p < 0 else g * G + p for g in range(n) for _, p, _ in shape],
+    rows = torch.arange(n, device=dev).repeat_interleave(G)  # (N,) group of each row
+    parent = torch.tensor([-1 if p < 0 else g * G + p for g in range(n) for _, p, _ in plan.shape],
                           device=dev)
-    start = torch.stack([parts[a].start[r] for a, r in pick])
-    ro = assemble(tokenizer, stops, pids[rows], pmask[rows], [problems[i] for i in rows.tolist()],
-                  rows, parts, pick, temperature, parent=parent,
+    start = torch.stack([parts[a].start[r] for a, r in pick])  # (N,)
+    ro = assemble(tokenizer, dec, plan.prompt_ids[rows], plan.prompt_mask[rows],
+                  [problems[i] for i in rows.tolist()], rows, parts, pick, parent=parent,
                   branch_at=torch.where(parent < 0, -1, start))
     ro.generated = ro.lengths - start
     if task is not None:

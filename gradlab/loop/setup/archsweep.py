@@ -95,7 +95,7 @@ def sweep_one(model_type: str, folder) -> dict:
     form. Returns {status: pass | refused | no-tiny | error, reason, gaps, grad_norm, w_gap,
     seconds}."""
     from ...core import objectives
-    from ...core.batch import TokenBatch, advantages
+    from ...core.batch import advantages
     from ...probes import ModulationProbe
     from ..numerics.arch import choose_attn
     from ..numerics.logprobs import token_logps
@@ -125,9 +125,7 @@ def sweep_one(model_type: str, folder) -> dict:
             model.train()
             lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids,
                              ro.response_mask)
-            batch = TokenBatch(tokens=ro.response_ids, mask=ro.response_mask, logps=lp,
-                               old_logps=ro.old_logps, group=ro.group, rewards=ro.rewards,
-                               advantages=advantages(ro.rewards, ro.group))
+            batch = ro.token_batch(lp, advantages(ro.rewards, ro.group))
             obj = objectives.get("grpo")
             with ModulationProbe() as probe:
                 probe.watch(lp)

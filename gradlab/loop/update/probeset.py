@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...core.batch import TokenBatch
 from ...core.nodes import shared_nodes
 from ...probes import equal_solution_logodds, kl_rows
 from ..numerics.logprobs import token_logps
@@ -29,8 +28,7 @@ def probe_set(model, tok, task, cfg) -> dict:
     max_new = cfg.max_new_tokens or task.max_new_tokens
     ro = generate(model, tok, problems, cfg.G, max_new, cfg.temperature, g, amp=cfg.amp)
     zeros = torch.zeros(ro.response_ids.shape, device=ro.response_ids.device)
-    b = TokenBatch(ro.response_ids, ro.response_mask, zeros, zeros,
-                   zeros[:, 0], ro.group, validate=False)
+    b = ro.token_batch(zeros, zeros[:, 0], old_logps=zeros, validate=False)
     sn = shared_nodes(b, "prefix")
     # keep one representative row per group, cut after the last shared position: the probe
     # forward then costs a few tokens per prompt
