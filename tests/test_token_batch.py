@@ -1,5 +1,5 @@
 """`Rollout.token_batch`: the TokenBatch of some rollout rows, field by field equal to the
-training step's `rows_batch` on real sampled rollouts (tiny policy), a repair layout's
+batch built by hand on real sampled rollouts (tiny policy), a repair layout's
 `repair_of` renumbered into the batch's rows, and every field against its own indexing."""
 
 import pytest
@@ -12,7 +12,17 @@ from gradlab.loop.rollouts.rollout import generate
 from gradlab.loop.rollouts.spec import SamplingSpec
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
-from gradlab.loop.update.step import rows_batch
+from gradlab.loop.rollouts.layouts import batch_repair_of
+
+
+def rows_batch(ro, rows, logps, adv, norms, t=None) -> TokenBatch:
+    """The batch built by hand, field by field (the reference `token_batch` is held to)."""
+    t = ro.response_ids.shape[1] if t is None else t
+    rewards = ro.rewards[rows] if ro.rewards is not None else None
+    return TokenBatch(ro.response_ids[rows, :t], ro.response_mask[rows, :t], logps,
+                      ro.old_logps[rows, :t], adv[rows], ro.group[rows], rewards=rewards,
+                      repair_of=batch_repair_of(ro.repair_of, rows), n_seqs=norms[0],
+                      n_tokens=norms[1], width=norms[2], validate=False)
 
 G = 8
 FIELDS = ("tokens", "mask", "logps", "old_logps", "advantages", "group", "ref_logps", "rewards",

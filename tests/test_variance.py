@@ -18,7 +18,6 @@ from gradlab.loop.recipes.variance import COLUMNS, draw, measure_variance
 from gradlab.loop.runs.store import RunStore
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import get_task
-from gradlab.loop.update.step import rows_batch
 from gradlab.probes import variance as V
 from gradlab.viz.variance import summary_table, variance_figure
 
@@ -126,7 +125,8 @@ def test_recipe_batch_zero_by_hand(tiny):
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
     adv = advantages(ro.rewards, ro.group)
     N = len(ro.texts)
-    b = rows_batch(ro, torch.arange(N), lp, adv, (N, int(ro.response_mask.sum()), lp.shape[1]))
+    b = ro.token_batch(lp, adv, torch.arange(N), norms=(N, int(ro.response_mask.sum()), lp.shape[1]),
+                       validate=False)
     objectives.get("grpo").loss(b).backward()
     norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
     row = df[(df["objective"] == "grpo") & (df["batch"] == 0)].set_index("metric")["value"]

@@ -27,7 +27,6 @@ from ..config import RunConfig
 from ..faults.guard import admit, check_update
 from ..numerics.logprobs import token_logps
 from ..numerics.precision import amp_context
-from ..rollouts.layouts import batch_repair_of
 from ..rollouts.rollout import Rollout
 from ..runs.traces import record_trace
 from ..scale.dist import Dist, unwrap
@@ -209,7 +208,7 @@ def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.T
                 lp, e = token_logps(learner.model, rollout.prompt_ids[r], rollout.prompt_mask[r],
                                     rollout.response_ids[r, :t], rollout.response_mask[r, :t],
                                     cfg.temperature, return_entropy=True, entropy_grad=False)
-            mb = rows_batch(rollout, r, lp, adv, norms, t)
+            mb = rollout.token_batch(lp, adv, r, t=t, norms=norms, validate=False)
             with ModulationProbe(enabled=watch) as probe:
                 part_loss = learner.objective.loss(mb.replace(logps=probe.watch(lp)))
                 part_loss.backward()
@@ -223,18 +222,4 @@ def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.T
         del lp, e, part_loss, mb, probe
     for _ in range(passes - len(parts)):  # FSDP lock-step: as many passes as the busiest rank
         _zero_pass(learner, cfg, rollout)
-    return rows_batch(rollout, rows, logps, adv, norms), W, ent, loss
-
-
-def rows_batch(rollout: Rollout, rows: torch.Tensor, logps: torch.Tensor, adv: torch.Tensor,
-               norms: tuple[int, int, int], t: int | None = None) -> TokenBatch:
-    """The TokenBatch of rollout rows `rows` (B,), cut to the first t positions: logps (B, t),
-    sequence advantages adv (N,), rewards, and `repair_of` renumbered into this batch's rows
-    (−1 where the corrected row is not among them); norms: the step's normaliser totals."""
-    t = rollout.response_ids.shape[1] if t is None else t
-    ref = batch_repair_of(rollout.repair_of, rows)
-    rewards = rollout.rewards[rows] if rollout.rewards is not None else None
-    return TokenBatch(rollout.response_ids[rows, :t], rollout.response_mask[rows, :t], logps,
-                      rollout.old_logps[rows, :t], adv[rows], rollout.group[rows], rewards=rewards,
-                      repair_of=ref, n_seqs=norms[0], n_tokens=norms[1], width=norms[2],
-                      validate=False)
+    return rollout.token_batch(logps, adv, rows, norms=norms, validate=False), W, ent, loss
