@@ -361,3 +361,28 @@ def test_undefined_rho_is_nan_and_left_out_of_verls_means():
     assert math.isnan(out["rho_full"]) and math.isnan(out["rho_trie"])
     _, m, _ = _call("gradlab_measure:vanilla", b)  # the same batch, rewards not tied
     assert math.isfinite(m["gradlab/rho_full"]) and math.isfinite(m["gradlab/mini/rho_trie"])
+
+
+@needs_verl
+def test_own_instrument_on_every_mini_batch():
+    """`use_instruments` (GRADLAB_INSTRUMENTS in the workers) runs a user's instrument on each
+    mini-batch's W and batch: `gradlab/mini/<metric>` equals its computation by hand on the W
+    verl's loss hands back, and a need a mini-batch cannot give is refused."""
+    from pathlib import Path
+
+    from gradlab.core.nodes import shared_nodes
+    from gradlab.testing import random_batch
+
+    gv, _ = _setup()
+    own = f"{Path(__file__).parents[1] / 'examples' / 'own_instrument.py'}:SharedMass"
+    try:
+        gv.use_instruments(own)
+        b = random_batch(n_groups=3, G=4, T=10, seed=2)
+        _, m, _ = _call("gradlab_measure:vanilla", b)
+        W = gv.last_modulation()[0].abs() * b.mask
+        ref = float((W * (shared_nodes(b, "prefix").node >= 0)).sum() / W.sum())
+        assert 0 < ref < 1 and m["gradlab/mini/shared_mass_share"] == pytest.approx(ref, rel=1e-9)
+        with pytest.raises(ValueError, match="needs grads, model"):
+            gv.use_instruments("tax")
+    finally:
+        gv.use_instruments("")
