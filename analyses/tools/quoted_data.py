@@ -152,9 +152,18 @@ def real_trl_grad(figures: Path, arg: str) -> str:
     return f"{g[kind]} of {g[kind + '_steps']}"
 
 
+def instrument_overhead(figures: Path, arg: str) -> str:
+    """'1.29×': CPU time per optimizer step of a configuration over the uninstrumented step,
+    from instrument_overhead.json ('MODEL:CONFIGURATION')."""
+    model, _, config = arg.partition(":")
+    d = json.loads((figures / "instrument_overhead.json").read_text())
+    cpu = next(m for m in d["models"] if m["name"] == model)["cpu_s"]
+    return "— (zero denominator)" if cpu["off"] == 0 else f"{cpu[config] / cpu['off']:.2f}×"
+
+
 BLOCKS = {"gspo-tax": gspo_tax, "gspo-tax-ratio": gspo_tax_ratio, "gspo-tax-steps": gspo_tax_steps,
           "tax-ratio": tax_ratio, "trl-cost": trl_cost, "real-trl": real_trl,
-          "real-trl-grad": real_trl_grad}
+          "real-trl-grad": real_trl_grad, "instrument-overhead": instrument_overhead}
 
 
 def replace_table(text: str, name: str, body: str) -> str:
