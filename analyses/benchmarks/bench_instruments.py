@@ -24,7 +24,7 @@ import torch
 import gradlab
 import gradlab.instruments as gi
 from analyses.benchmarks.bench_probes import make_rollout
-from analyses.tools.common import provenance
+from analyses.tools.common import in_process_run, provenance
 from analyses.tools.quoted_data import replace_table
 from gradlab import objectives
 from gradlab.loop.config import RunConfig
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     data = {"batch": f"{a.groups} groups × G = {a.G} × {a.T} response tokens, "
                      f"medians of {a.repeats} interleaved rounds",
             "provenance": provenance("analyses.benchmarks.bench_instruments", argv), "models": []}
+    data["runs"] = [in_process_run(data["provenance"])]  # measured in this process
     for name in a.models.split(","):
         torch.manual_seed(0)
         model = (load_policy()[0] if name == "tiny" else new_model(tok, name)).train()

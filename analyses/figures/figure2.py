@@ -140,8 +140,10 @@ def measure(model, tok, task, prompts: int = 8, G: int = 4, seed: int = 0,
 
 
 def _sub(batch, keep):
-    return batch.replace(**{f: getattr(batch, f)[keep] for f in
-                            ("tokens", "mask", "logps", "old_logps", "advantages", "group")})
+    """The batch's rows `keep` (every per-row field the batch has)."""
+    fields = ("tokens", "mask", "logps", "old_logps", "advantages", "group", "rewards")
+    return batch.replace(**{f: getattr(batch, f)[keep] for f in fields
+                            if getattr(batch, f) is not None})
 
 
 def _char(tok, tid: int) -> str:
