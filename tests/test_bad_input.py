@@ -182,6 +182,8 @@ BAD = {  # sub-command → [(arguments, text the one-line message must contain)]
               (["trl", "--bogus"], "--bogus"), (["verl", "--bogus"], "--bogus")],
     "doctor": [(["--device", "tpu"], "--device"), (["--device", "cuda:x"], "--device"),
                (["--out", "NODIR"], "--out"), (["--bogus"], "--bogus"), (["--dev", "cpu"], "--dev")],
+    "instruments": [(["--bogus"], "--bogus"), (["residual"], "residual"), (["--every", "2"], "--every"),
+                    (["-x"], "-x"), (["tax@x"], "tax@x")],
 }
 
 

@@ -91,9 +91,9 @@ class StepView:
     def learning_tax(self) -> dict:
         """This step's g_tax report (`gradlab.probes.tax.tax_report`), summed over ranks."""
         raw = unwrap(self.model)
-        if self.idle:  # joins the ranks' g_tax sum with zeros, full shapes
-            dev = self.rollout.group.device
-            tax = {"g_tax": {n: torch.zeros(p.shape, dtype=p.dtype, device=dev)
+        if self.idle:  # joins the ranks' g_tax sum with zeros: full shapes, float32 like
+            dev = self.rollout.group.device  # `tax_step`'s (FSDP --amp gathers bf16 weights)
+            tax = {"g_tax": {n: torch.zeros(p.shape, dtype=torch.float32, device=dev)
                              for n, p in raw.named_parameters()}}
         else:
             tax = tax_step(raw, self.cfg, self.rollout, self.rows, self.trained, self.W,
