@@ -124,9 +124,9 @@ def _reference(model, ro) -> float:
 
 
 def test_own_instrument_equals_an_independent_computation(step):
-    from examples_own import load
+    from gradlab.core.userloss import load_loss
 
-    own = load()
+    own = load_loss(OWN)  # as `--instruments path.py:Class` imports it
     model, ro = step
     got = _measured(model, ro, own())["shared_mass_share"]
     ref = _reference(model, ro)
@@ -162,6 +162,7 @@ def test_own_instrument_in_trl_equals_the_window_computation(tmp_path):
 
     gl = GradlabConfig(store=str(tmp_path / "store"), keep_windows=True, instruments=OWN)
     tr = trl_run(tmp_path, "dr_grpo", "token", gl=gl)
+    tr.gradlab_store.close()  # release the run folder's lock (other tests check none is held)
     assert tr.gradlab_windows
     for w in tr.gradlab_windows:
         W = w.W.double().abs() * w.batch.mask

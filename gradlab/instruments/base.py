@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 
 from .schedule import Schedule
 
@@ -183,7 +182,3 @@ def check_needs(instruments: list[Instrument], offered: set[str], host: str) -> 
         if missing:
             raise ValueError(f"instrument {inst.name!r} needs {', '.join(missing)}, which {host} "
                              f"does not give (it gives: {', '.join(sorted(offered))})")
-
-
-def as_tensor(v) -> Tensor:
-    return v if torch.is_tensor(v) else torch.tensor(v)

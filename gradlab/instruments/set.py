@@ -18,6 +18,8 @@ class InstrumentSet:
         names = [i.name for i in self.items]
         if len(set(names)) != len(names):
             raise ValueError(f"InstrumentSet: an instrument appears twice in {names}")
+        # built once: the same objects every step, so a metrics object declares them in O(1)
+        self._quantities = [q for i in self.items for q in i.quantities()]
 
     def __iter__(self):
         return iter(self.items)
@@ -52,4 +54,4 @@ class InstrumentSet:
         return out
 
     def quantities(self) -> list:
-        return [q for i in self.items for q in i.quantities()]
+        return list(self._quantities)

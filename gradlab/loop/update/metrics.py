@@ -41,6 +41,7 @@ class StepMetrics:
 
         self.D = D if D is not None else Dist()
         self.quantities: list = list(OWN_QUANTITIES)  # how `finish` turns sums into metrics
+        self._declared = {id(q): q for q in self.quantities}  # holds them: ids stay unique
         self.declare(quantities or [])
         self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
         self.means: dict[str, list] = defaultdict(list)  # averaged at finish
@@ -50,8 +51,13 @@ class StepMetrics:
         self.times: dict[str, float] = defaultdict(float)
 
     def declare(self, quantities: list) -> None:
-        """Add finalize rules (an instrument's `quantities()`); a rule declared twice counts once."""
-        self.quantities += [q for q in quantities if q not in self.quantities]
+        """Add finalize rules (an instrument's `quantities()`); a rule declared twice counts once
+        (the same objects every step: an identity check, no comparison)."""
+        for q in quantities:
+            if id(q) not in self._declared:
+                self._declared[id(q)] = q
+                if q not in self.quantities:
+                    self.quantities.append(q)
 
     def time(self, what: str, since: float) -> None:
         self.times[f"time_{what}"] += time.perf_counter() - since

@@ -147,19 +147,19 @@ def loop_instruments(cfg: RunConfig, others: list | tuple = ()) -> InstrumentSet
     if cfg.instruments:
         chosen = resolve(cfg.instruments, heavy_every=cfg.tax_every)
         if others and not any(i.name == "same_batch" for i in chosen):
-            chosen.append(SameBatch(others=others))
+            chosen.append(SameBatch())
     else:
         every, heavy = Schedule(), Schedule(every=cfg.tax_every)
         chosen = [Modulation(every), Residual(every)] if cfg.probes else []
         if cfg.probes and others:
-            chosen.append(SameBatch(every, others))
+            chosen.append(SameBatch(every))
         if cfg.probes:
             chosen += [Attribution(heavy), Tax(heavy)]
         if cfg.probes and cfg.drift:
             chosen += [Drift(every), DivergentDrift(heavy)]
         if cfg.flips:
             chosen.append(Flips(heavy))
-    for inst in chosen:
+    for inst in chosen:  # the other objectives' pairs (same-batch mode), for any spec
         if isinstance(inst, SameBatch):
             inst.others = list(others)
     out = InstrumentSet(chosen)
