@@ -266,14 +266,15 @@ class GSPO(Objective):
         """w with W = A·w: (B, T) = (1/B)(s_i/T_i) 1[active_i] on masked-in positions
         (with token advantages the clip indicator is per token, 1[active_{i,t}])."""
         s = self.seq_ratio(batch) if grad else self.seq_ratio(batch).detach()
+        s_real = s.detach()  # the clip indicator reads the real s_i whatever is switched off
         if "coupling" in off:
             s = torch.ones_like(s)
         if batch.advantages.dim() == 2:
-            act = _active(batch.advantages, s.detach().unsqueeze(-1), self.eps)  # (B, T)
+            act = _active(batch.advantages, s_real.unsqueeze(-1), self.eps)  # (B, T)
             if "clip" in off:
                 act = torch.ones_like(act)
             return self.norm(batch, off) * s.unsqueeze(-1) * act
-        act = _active(batch.advantages, s.detach(), self.eps)
+        act = _active(batch.advantages, s_real, self.eps)
         if "clip" in off:
             act = torch.ones_like(act)
         return self.norm(batch, off) * (s * act).unsqueeze(-1)
