@@ -59,9 +59,10 @@ def check_resume_config(path: Path, stored: dict, given: dict) -> None:
         raise ConfigError(f"--resume: {path} was made with other options ({'; '.join(diff)}); "
                           "omit them to use the stored ones, or choose another --out")
     if int(given.get("steps", 0)) < int(stored.get("steps", 0)):
-        raise ConfigError(f"--resume: {path} is a run of {stored['steps']} steps, and --steps "
-                          f"{given['steps']} would record fewer steps than it holds (a run "
-                          "cannot be shortened); omit --steps, or choose another --out")
+        raise ConfigError(f"--resume: {path} is a run of {stored['steps']} steps; --steps "
+                          f"{given['steps']} is fewer (a run cannot be shortened: its "
+                          "config.json would disagree with its metrics); omit --steps, or "
+                          "choose another --out")
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
