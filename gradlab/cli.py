@@ -177,11 +177,15 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
     _stop_signals(a)
 
     if ref is not None or a.save_reference:  # loop/recipes/reproduce.py
-        from .loop.recipes.reproduce import check_against, save_reference
+        from dataclasses import replace
+
+        from .loop.recipes.reproduce import check_against, reference_folder, save_reference
 
         typed = given_options(build_parser(), a.argv)
         if ref is not None:
             return check_against(cfg, typed, ref, a.seeds, a.fresh)
+        if "out" not in typed:  # a reference's runs live beside it, apart from runs/reproduce
+            cfg = replace(cfg, out=reference_folder(a.save_reference))
         save_reference(cfg, typed, a.save_reference, a.seeds or 1, a.fresh)
         return 0
     t0 = time.time()

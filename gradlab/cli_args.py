@@ -294,13 +294,15 @@ def add_check_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-reference", default=None, metavar="FILE",
                    help="run the main job (--seeds K seeds from --seed) and save this machine's "
                    "reference for --check FILE: configuration, summary numbers, per-step "
-                   "series, CPU model, torch, threads and code hash")
+                   "series, CPU model, torch, threads, code hash and the user's files; the runs "
+                   "go to --out, by default beside FILE (ref.json: ref.runs, ref.runs-seed1, …)")
     p.add_argument("--seeds", type=int, default=None, metavar="K",
                    help="seeds of --check (default 1; a saved reference: all its seeds) and "
                    "--save-reference (default 1); more seeds detect smaller shifts")
     p.add_argument("--fresh", action="store_true",
                    help="--check / --save-reference: re-train even where --out holds a "
-                   "finished run of this code (a run of other code is never reused)")
+                   "finished run of this code (a run of other code, gradlab's or the user's "
+                   "files, is never reused); an old run is moved to <out>.prev-N, never deleted")
 
 
 def load_check_reference(a: argparse.Namespace) -> dict | None:

@@ -10,8 +10,12 @@ widths), and only with the same code. Every run folder therefore carries `proven
 one segment per process that trained into the folder (a resume adds one). `code_hash` is a
 SHA-256 over the installed package's source and shipped data (every file under gradlab/ except
 caches), so it identifies the code even outside a git checkout; `commit` and `dirty` are added
-when the package sits in a git work tree. The analyses reuse a stored run only when every
-segment's code hash equals the current one (`same_code`).
+when the package sits in a git work tree. `user_files` maps every file of the user's that the
+run executes or reads as its task (a loss `file.py:fn` or `module:fn`, an instrument
+`path/file.py:Class`, a `.jsonl` task, a `--model` folder's Python files under
+`--trust-remote-code`) to the SHA-256 of its content. A run's code is both: the analyses and
+`gradlab reproduce --check` reuse a stored run only when every segment's code hash and user files
+equal the current ones (`same_code`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,75 @@ def code_hash(skip: Path | None = None) -> str:
             h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
             h.update(p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def _user_targets(config: dict) -> list[str]:
+    """The module parts of the user's loss and instrument specs in a run configuration
+    (``my.py:fn[name=x]`` → ``my.py``; ``pkg.mod:Cls@4`` → ``pkg.mod``)."""
+    out = []
+    for spec in config.get("objectives") or []:
+        target = str(spec).partition("[")[0].strip()
+        if ":" in target:
+            out.append(target.rsplit(":", 1)[0])
+    for item in str(config.get("instruments") or "").split(","):
+        name = item.strip().partition("@")[0]
+        if ":" in name:
+            out.append(name.rsplit(":", 1)[0])
+    return out
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of an importable module `name` (the working directory first, as a
+    user's loss is imported), or None when it has none."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        sys.path.pop(0)
+    origin = getattr(spec, "origin", None)
+    return Path(origin) if origin and Path(origin).is_file() else None
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def user_files(config: dict) -> dict[str, str]:
+    """{file: first 16 hex digits of the SHA-256 of its content} of every file of the user's
+    that a run of `config` (a RunConfig dict) executes or reads as its task: loss and
+    instrument modules (`path/file.py` as written, `module` by its source file), a `.jsonl`
+    task and, with trust_remote_code, the `--model` folder's Python files. A file that does not
+    exist (now) is "missing"."""
+    files: list[tuple[str, Path | None]] = []
+    for target in _user_targets(config):
+        files.append((target, Path(target)) if target.endswith(".py") else
+                     (target, _module_file(target)))
+    task = str(config.get("task") or "")
+    if task.endswith(".jsonl"):
+        files.append((task, Path(task)))
+    model = config.get("model")
+    if model and config.get("trust_remote_code") and Path(model).is_dir():
+        files += [(str(f), f) for f in sorted(Path(model).glob("*.py"))]
+    return {name: _digest(f) if f is not None and f.is_file() else "missing"
+            for name, f in files}
+
+
+def changed_files(segments: list[dict], now: dict[str, str]) -> list[str]:
+    """'file (a → b)' for every user file whose recorded content (any of `segments`) differs
+    from `now` (`user_files`); a segment that recorded none counts as recording {}."""
+    out = []
+    for seg in segments:
+        then = seg.get("user_files") or {}
+        for name in sorted(set(then) | set(now)):
+            line = f"{name} ({then.get(name, 'absent')} → {now.get(name, 'absent')})"
+            if then.get(name) != now.get(name) and line not in out:
+                out.append(line)
+    return out
 
 
 def _git(*args: str) -> str | None:
@@ -115,7 +188,7 @@ def record(run: str | Path, start_step: int) -> dict:
     """Append this process's segment (training from `start_step`) to run/provenance.json."""
     from .loop.faults.atomic import write_file
 
-    seg = {"start_step": int(start_step), **current()}
+    seg = {"start_step": int(start_step), **current(), "user_files": user_files(_config(run))}
     old = read(run) or {"segments": []}
     old["segments"] = [s for s in old["segments"] if s.get("start_step", 0) < start_step] + [seg]
     write_file(Path(run) / FILE, json.dumps(old, indent=1) + "\n")
@@ -133,10 +206,24 @@ def read(run: str | Path) -> dict | None:
         raise ValueError(f"{f}: corrupt provenance ({e})") from None
 
 
+def _config(run: str | Path) -> dict:
+    """run/config.json ({} when absent or unreadable)."""
+    try:
+        data = json.loads((Path(run) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def same_code(run: str | Path) -> bool:
-    """True iff every segment of the run was trained by the current package source."""
+    """True iff every segment of the run was trained by the current package source and the
+    current content of the user's files its configuration names (`user_files`)."""
     p = read(run)
-    return bool(p and p["segments"]) and all(s.get("code_hash") == code_hash() for s in p["segments"])
+    if not (p and p["segments"]):
+        return False
+    now = user_files(_config(run))
+    return all(s.get("code_hash") == code_hash() for s in p["segments"]) and \
+        not changed_files(p["segments"], now)
 
 
 def summary(run: str | Path, reused: bool) -> dict:

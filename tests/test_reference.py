@@ -20,6 +20,7 @@ from gradlab.loop.recipes.reference import (
     fmt,
     load_reference,
     make_reference,
+    numbers_of,
     stat_check,
     stat_report,
 )
@@ -158,3 +159,41 @@ def test_bad_reference_files(tmp_path):
         load_reference(tmp_path / "v2.json")
     with pytest.raises(ValueError, match="at least 3 seeds"):
         make_reference([pd.DataFrame({"objective": ["grpo"]})] * 2, [0, 1], {})
+
+
+def test_a_one_seed_reference_round_trips_through_strict_json(tmp_path):
+    """One seed: sd and the band are undefined, written as null with their reason (no NaN
+    token), read back as NaN; the statistical check leaves them untested and does not crash."""
+    from gradlab import jsonio
+
+    frame = pd.DataFrame({"objective": ["grpo"], **{m: [0.25] for m in CHECKED}})
+    ref = {"gradlab_reference": 1, "seeds": [0], "machine": {}, "numbers": numbers_of([frame])}
+    text = jsonio.dumps(ref)
+    entry = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))["numbers"][
+        "grpo/entropy"]
+    assert entry["sd"] is None and entry["undefined"] == dict.fromkeys(
+        ("hi", "lo", "sd"), "one seed: no seed spread")
+    (tmp_path / "one.json").write_text(text)
+    back = load_reference(tmp_path / "one.json")["numbers"]["grpo/entropy"]
+    assert math.isnan(back["sd"]) and back["values"] == [0.25] and back["mean"] == 0.25
+    rows = stat_check({k: [0.25] for k in ref["numbers"]}, load_reference(tmp_path / "one.json"))
+    assert not rows["flagged"].any() and "untested" in stat_report(rows, ref)
+
+
+def test_an_undefined_number_is_compared_as_undefined():
+    """A summary number undefined in the reference (null with its reason) equals an undefined
+    one in the check and differs from a defined one; its reason entry is not a number."""
+    from gradlab import jsonio
+    from gradlab.loop.recipes.baseline import compare_numbers, summary_numbers
+
+    summ = pd.DataFrame({"objective": ["grpo"], "rho_prefix": [float("nan")],
+                         "entropy": [0.5], "time_step_s": [1.0]})
+    saved = summary_numbers(summ)
+    assert saved["grpo"]["undefined"] == {"rho_prefix": "no finite value at any step of the run"}
+    ref = jsonio.loads(jsonio.dumps({"runs": [{"summary": saved}]}))
+    assert math.isnan(ref["runs"][0]["summary"]["grpo"]["rho_prefix"])
+    assert compare_numbers(ref, 0, summary_numbers(summ)) == []
+    defined = summary_numbers(summ.assign(rho_prefix=[0.1]))
+    rows = compare_numbers(ref, 0, defined)
+    assert [(r["what"], r["new"]) for r in rows] == [("rho_prefix", 0.1)] and \
+        math.isnan(rows[0]["ref"])

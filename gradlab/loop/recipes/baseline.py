@@ -34,13 +34,14 @@ def untimed(names) -> list[str]:
 
 
 def fingerprint(run: str | Path) -> dict:
-    """CPU model and kernels, torch build and threads of a run folder (its provenance.json, last segment)
-    and the code hash of every segment (comma-joined)."""
+    """CPU model and kernels, torch build and threads of a run folder (its provenance.json, last segment),
+    the code hash of every segment (comma-joined) and the last segment's user files
+    (`gradlab.provenance.user_files`)."""
     segs = (provenance.read(run) or {}).get("segments", [])
     last = segs[-1] if segs else {}
     return {**{k: last.get(k) for k in FINGERPRINT},
             "code_hash": ",".join(dict.fromkeys(s.get("code_hash", "?") for s in segs)) or None,
-            "commit": last.get("commit")}
+            "commit": last.get("commit"), "user_files": last.get("user_files") or {}}
 
 
 def same_machine(a: dict, b: dict) -> bool:
@@ -53,10 +54,20 @@ def _clean(x) -> float | None:
     return x if math.isfinite(x) else None  # JSON has no NaN
 
 
+UNDEFINED_MEAN = "no finite value at any step of the run"
+
+
 def summary_numbers(summary: pd.DataFrame) -> dict:
-    """{objective: {number: value}} of a summary frame, timings left out, NaN as None."""
+    """{objective: {number: value}} of a summary frame, timings left out; an undefined number
+    is NaN and named in the objective's "undefined" entry with its reason (gradlab.jsonio
+    writes it as null)."""
     s = summary.set_index("objective")
-    return {obj: {c: _clean(s.loc[obj, c]) for c in untimed(s.columns)} for obj in s.index}
+    out = {}
+    for obj in s.index:
+        row = {c: float(s.loc[obj, c]) for c in untimed(s.columns)}
+        why = {c: UNDEFINED_MEAN for c, v in row.items() if not math.isfinite(v)}
+        out[obj] = {**row, "undefined": why} if why else row
+    return out
 
 
 def series(tidy: pd.DataFrame) -> dict:
@@ -117,7 +128,7 @@ def compare_numbers(ref: dict, i: int, new: dict) -> list[dict]:
     rows = []
     for obj in sorted(set(old) | set(new)):
         a, b = old.get(obj, {}), new.get(obj, {})
-        for m in sorted(set(a) | set(b)):
+        for m in sorted((set(a) | set(b)) - {"undefined"}):  # undefined: NaN, compared as such
             x, y = _arr([a.get(m)]), _arr([b.get(m)])
             if (m in a) == (m in b) and not _differ(x, y)[0]:
                 continue

@@ -22,7 +22,6 @@ machine; `analyses/studies/main_job.py` re-makes it.
 
 from __future__ import annotations
 
-import json
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +31,8 @@ import pandas as pd
 from scipy.optimize import brentq
 from scipy.stats import nct
 from scipy.stats import t as student_t
+
+from ... import jsonio
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reproduce_reference.json"
 LEVEL = 0.99  # per number, two-sided: the test flags a number when |t| > t_{1 − (1 − LEVEL)/2}
@@ -64,7 +65,8 @@ def make_reference(summaries: list[pd.DataFrame], seeds: list[int], machine: dic
 
 def numbers_of(summaries: list[pd.DataFrame]) -> dict:
     """{"objective/metric": {values, mean, sd, lo, hi}} over the `CHECKED` metrics present in
-    every summary (sd and the band NaN for one seed)."""
+    every summary (sd and the band NaN for one seed, named with their reason in the entry's
+    "undefined": gradlab.jsonio writes them as null)."""
     n = len(summaries)
     q = float(student_t.ppf(1 - (1 - BAND_LEVEL) / 2, n - 1)) * np.sqrt(1 + 1 / n) if n > 1 \
         else math.nan
@@ -78,9 +80,15 @@ def numbers_of(summaries: list[pd.DataFrame]) -> dict:
             mean = float(np.mean(vals))
             sd = float(np.std(vals, ddof=1)) if n > 1 else math.nan
             half = max(q * sd, floor) if n > 1 else math.nan
-            out[f"{obj}/{metric}"] = {"values": vals, "mean": mean, "sd": sd,
-                                      "lo": max(mean - half, low), "hi": min(mean + half, high)}
+            entry = {"values": vals, "mean": mean, "sd": sd,
+                     "lo": max(mean - half, low), "hi": min(mean + half, high)}
+            if n == 1:
+                entry["undefined"] = dict.fromkeys(("sd", "lo", "hi"), ONE_SEED)
+            out[f"{obj}/{metric}"] = entry
     return out
+
+
+ONE_SEED = "one seed: no seed spread"
 
 
 def load_reference(path: str | Path = REFERENCE) -> dict:
@@ -90,7 +98,7 @@ def load_reference(path: str | Path = REFERENCE) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no reference at {path}")
     try:
-        ref = json.loads(path.read_text())
+        ref = jsonio.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path}: not a gradlab reference ({e})") from None
     if not isinstance(ref, dict) or ref.get("gradlab_reference") not in (1, 2) \

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
+from ... import jsonio
 from ... import viz as plots
 from ..config import ConfigError, RunConfig
 from ..faults.atomic import write_file, writing
@@ -125,34 +127,61 @@ def seed_folder(out: str, seed: int, first: int) -> str:
     return out if seed == first else f"{out}-seed{seed}"
 
 
-def prepare_folder(cfg: RunConfig, fresh: bool) -> str:
-    """Before a check run in cfg.out: a finished run of this code with these options is reused
-    (the returned note says so); a run made by other code (its provenance code hash), or any run
-    with `fresh`, is moved to <out>.prev (replacing an earlier one) and trained afresh. A run
-    with other options, a partial run of this code or a folder in use is refused (one line)."""
-    import shutil
+def reference_folder(path: str | Path) -> str:
+    """Where `--save-reference FILE` trains when --out is not typed: beside FILE, named after
+    it (ref.json → ref.runs, and ref.runs-seed1 … for further seeds), apart from the main job's
+    runs/reproduce."""
+    return str(Path(path).with_suffix(".runs"))
 
+
+def set_aside(out: Path) -> Path:
+    """Rename run folder `out` to the first free `<out>.prev-N` (N = 1, 2, …) and return it:
+    an old run is kept, never replaced."""
+    n = 1
+    while out.with_name(f"{out.name}.prev-{n}").exists():
+        n += 1
+    prev = out.with_name(f"{out.name}.prev-{n}")
+    out.rename(prev)
+    return prev
+
+
+def prepare_folder(cfg: RunConfig, fresh: bool) -> str:
+    """Before a check or reference run in cfg.out: a finished run of this code (gradlab's and
+    the user's files, `gradlab.provenance.same_code`) with these options is reused (the returned
+    note says so); a run made by other code, a run of another length, or any run with `fresh`,
+    is moved to the first free <out>.prev-N (nothing is deleted; the note names it) and trained
+    afresh. A run with other options, a partial run of this code or a folder in use is refused
+    (one line)."""
     from ... import provenance
     from ..runs.resume import config_differences, read_config, run_status
 
     out = Path(cfg.out)
-    if run_status(out) is None:
+    status = run_status(out)
+    if status is None:
         return ""
-    diff = config_differences(read_config(out / "config.json"), cfg.to_json())
+    stored = read_config(out / "config.json")
+    diff = config_differences(stored, cfg.to_json())
     if diff:
         raise ConfigError(f"--out {out} already holds a different run ({'; '.join(diff)}); "
                           "choose another --out")
     code = provenance.code_hash()
-    if provenance.same_code(out) and not fresh:
-        reproduce_action(cfg, False)  # a partial run, or another step count: what to type
-        return f"reused {out}: a finished run of this code ({code}), not re-trained (--fresh re-trains)"
     segs = (provenance.read(out) or {}).get("segments", [])
+    files = provenance.changed_files(segs, provenance.user_files(cfg.to_json()))
+    other_steps = status[1] != cfg.steps
+    if provenance.same_code(out) and not fresh and not other_steps:
+        reproduce_action(cfg, False)  # a partial run: what to type
+        return f"reused {out}: a finished run of this code ({code}), not re-trained (--fresh re-trains)"
     made = ",".join(dict.fromkeys(s.get("code_hash", "?") for s in segs)) or "unrecorded code"
     acquire(out).release()  # a folder that a live process is writing is refused, not moved
-    prev = out.with_name(out.name + ".prev")
-    shutil.rmtree(prev, ignore_errors=True)
-    out.rename(prev)
-    why = "(--fresh)" if made == code else f"made by other code ({made}; this is {code})"
+    prev = set_aside(out)
+    if made != code:
+        why = f"made by other code ({made}; this is {code})"
+    elif files:
+        why = f"made with other user files ({'; '.join(files)})"
+    elif other_steps:
+        why = f"of {status[1]} steps (this is {cfg.steps})"
+    else:
+        why = "(--fresh)"
     return f"{out} held a run {why}: moved to {prev}, trained afresh"
 
 
@@ -184,12 +213,18 @@ def save_reference(cfg: RunConfig, typed: set[str], path: str | Path, k: int, fr
     ref = {"gradlab_reference": 2, "config": {**cfg.to_json(), "seed": seeds[0]},
            "typed": sorted(typed - {"seed"}), "seeds": seeds,
            "fingerprint": runs[0]["fingerprint"], "code_hash": provenance.code_hash(),
+           "user_files": provenance.user_files(cfg.to_json()),
            "commit": provenance.git_state()["commit"], "runs": runs,
            "numbers": numbers_of(summaries)}
-    write_file(Path(path), json.dumps(ref, indent=None, allow_nan=False) + "\n")
+    write_file(Path(path), jsonio.dumps(ref) + "\n")  # strict: undefined is null + its reason
     fp = ref["fingerprint"]
+    files = "".join(f", {f} {h}" for f, h in ref["user_files"].items())
     say(f"wrote {path}: {k} seed(s) {seeds} of this configuration on {fp['cpu_model']}, torch "
-        f"{fp['torch']}, {fp['threads']} thread(s), code {ref['code_hash']}")
+        f"{fp['torch']}, {fp['threads']} thread(s), code {ref['code_hash']}{files}; runs in "
+        f"{', '.join(map(str, folders))}")
+    if k == 1:
+        say("one seed: --check compares it exactly on this CPU model, torch build and thread "
+            "count; a check elsewhere needs a reference of ≥ 2 seeds (--seeds 3)")
     return ref
 
 
@@ -236,6 +271,7 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
     """`gradlab reproduce --check`: run the check seeds and compare them with `ref` (exactly on
     the reference's machine fingerprint, else statistically); prints the report; returns the
     exit code (0 identical / nothing flagged, 1 otherwise)."""
+    from .baseline import fingerprint
     from .reference import stat_check, stat_report
 
     defaults: list[str] = []
@@ -247,6 +283,10 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
                                      CHECK_OVERRIDES + ("seed",))
         cfg = replace(cfg, seed=seed, out=cfg.out if "out" in typed else "runs/reproduce")
     seeds = check_seeds(cfg, ref, k)
+    if ref["gradlab_reference"] == 2 and len(ref["seeds"]) < 2:  # before any work
+        gap = _machine_gap(ref["runs"][0]["fingerprint"], _this_machine(cfg))
+        if gap:
+            raise ConfigError(_one_seed_elsewhere(ref, gap))
     folders = run_seeds(replace(cfg, seed=seeds[0]), seeds, fresh, say)
     summaries = [summarize(load_run(f)) for f in folders]
     if ref["gradlab_reference"] == 2:
@@ -257,6 +297,10 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
         exact = _exact_if_same_machine(ref, seeds, folders, summaries, say)
         if exact is not None:
             return 1 if exact or defaults else 0
+        if len(ref["seeds"]) < 2:  # the run's own fingerprint differs from the one foreseen
+            say(_one_seed_elsewhere(ref, _machine_gap(ref["fingerprint"],
+                                                      fingerprint(folders[0]))))
+            return 1
     values: dict[str, list[float]] = {}
     for s in summaries:
         for obj, row in s.set_index("objective").iterrows():
@@ -266,7 +310,8 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
         say(f"default changed since the reference: {line}")
     rows = stat_check(values, ref)
     why = (" against the shipped reference (another machine)" if ref["gradlab_reference"] == 1
-           else f" (fallback: {_machine_gap(ref, folders)})")
+           else " (fallback: another machine than the reference's: "
+           f"{_machine_gap(ref['fingerprint'], fingerprint(folders[0]))})")
     say(stat_report(rows, ref, why))
     untested = rows["t"].isna() & (rows["test"] == "t") & ~rows["flagged"] & \
         (rows["reason"] != "no seed spread: compared exactly")
@@ -274,20 +319,62 @@ def check_against(cfg: RunConfig, typed: set[str], ref: dict, k: int | None, fre
 
 
 def _code_line(ref: dict, folders: list[Path]) -> str:
+    """Whether gradlab's code and the user's files (where the reference records them) are the
+    reference's, naming each file that changed."""
+    from ... import provenance
     from .baseline import fingerprint
 
     now = ",".join(dict.fromkeys(fingerprint(f)["code_hash"] for f in folders))
-    if now == ref["code_hash"]:
-        return f"code: the reference's ({now})"
-    return f"code changed since the reference: {ref['code_hash']} → {now}"
+    line = (f"code: the reference's ({now})" if now == ref["code_hash"] else
+            f"code changed since the reference: {ref['code_hash']} → {now}")
+    if "user_files" not in ref:
+        return line
+    segs = [{"user_files": ref["user_files"]}]
+    files = provenance.changed_files(segs, fingerprint(folders[0])["user_files"])
+    if files:
+        return line + "\nuser files changed since the reference: " + "; ".join(files)
+    if ref["user_files"]:
+        return line + "; user files: the reference's (" + ", ".join(ref["user_files"]) + ")"
+    return line
 
 
-def _machine_gap(ref: dict, folders: list[Path]) -> str:
-    from .baseline import FINGERPRINT, fingerprint
+def _machine_gap(a: dict, b: dict) -> str:
+    """'key a → b' for each fingerprint entry that differs ("" on the same machine)."""
+    from .baseline import FINGERPRINT
 
-    a, b = ref["fingerprint"], fingerprint(folders[0])
-    gaps = [f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in FINGERPRINT if a.get(k) != b.get(k)]
-    return "another machine than the reference's: " + "; ".join(gaps)
+    return "; ".join(f"{k} {a.get(k)!r} → {b.get(k)!r}" for k in FINGERPRINT
+                     if a.get(k) != b.get(k))
+
+
+def _this_machine(cfg: RunConfig) -> dict:
+    """The fingerprint a run of `cfg` gets here (its provenance records the same keys)."""
+    import torch
+
+    from ... import provenance
+
+    return {"cpu_model": provenance.cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "threads": cfg.threads}
+
+
+def _one_seed_elsewhere(ref: dict, gap: str) -> str:
+    """One line: a one-seed reference is compared exactly on its own machine only, and what to
+    run for a statistical check here."""
+    typed = [k for k in ref.get("typed", []) if k not in ("out", "progress", "log")]
+    opts = "".join(f" {_option(k, ref['config'][k])}" for k in typed if k in ref["config"])
+    return (f"--check: the reference has 1 seed, compared exactly only on its own machine, and "
+            f"this is another ({gap}); a statistical check needs a reference of ≥ 2 seeds: "
+            f"`gradlab reproduce{opts} --seeds 3 --save-reference FILE` on the reference's "
+            "code, then --check FILE")
+
+
+def _option(key: str, value) -> str:
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + key.replace("_", "-")
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    return f"{flag} {shlex.quote(str(value))}"
 
 
 def _exact_if_same_machine(ref: dict, seeds: list[int], folders: list[Path],

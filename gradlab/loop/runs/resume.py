@@ -5,7 +5,8 @@
 - A typed option that differs from the stored one is refused with the list of differences
   (`config_differences`, checked by the run store for the CLI and the Python API alike), except
   those that cannot change a result: `RESUMABLE_CHANGES` (more --steps extend the run; they are
-  applied and recorded in config.json). Nothing is silently ignored.
+  applied and recorded in config.json; fewer --steps than the run holds are refused, so
+  config.json never disagrees with the metrics). Nothing is silently ignored.
 - A folder without a checkpoint (killed before its first one) restarts from step 0 under
   --resume (`restore`).
 - `--resume auto` resumes when the folder holds a run and starts fresh when it does not; a job
@@ -57,6 +58,11 @@ def check_resume_config(path: Path, stored: dict, given: dict) -> None:
     if diff:
         raise ConfigError(f"--resume: {path} was made with other options ({'; '.join(diff)}); "
                           "omit them to use the stored ones, or choose another --out")
+    if int(given.get("steps", 0)) < int(stored.get("steps", 0)):
+        raise ConfigError(f"--resume: {path} is a run of {stored['steps']} steps; --steps "
+                          f"{given['steps']} is fewer (a run cannot be shortened: its "
+                          "config.json would disagree with its metrics); omit --steps, or "
+                          "choose another --out")
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -190,6 +196,10 @@ def reproduce_action(cfg: RunConfig, resume: bool) -> str:
     if done >= total:
         if cfg.steps == total:
             return "redraw"
+        if cfg.steps < total:
+            raise ConfigError(f"--out {cfg.out} holds a finished run of {total} steps, longer "
+                              f"than --steps {cfg.steps} (a run cannot be shortened): choose "
+                              f"another --out, or --steps {total} to re-make its figures")
         raise ConfigError(f"--out {cfg.out} holds a finished run of {total} steps: type "
                           f"`gradlab reproduce --out {shlex.quote(cfg.out)} --steps {cfg.steps} "
                           "--resume` to extend it")
