@@ -122,6 +122,23 @@ def test_truncated_completions_stay_in_the_nodes_with_W_zero(tmp_path):
     assert w.metrics["mass_prefix"] == pytest.approx(c.mass, rel=1e-4)
 
 
+class Detached(GradlabGRPOTrainer):
+    """A loss whose backward never reaches the log-probs (its value kept, its graph cut)."""
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        return loss.detach() + 0 * next(model.parameters()).sum()
+
+
+def test_a_loss_call_the_backward_never_reached_is_named(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="gradlab"):
+        tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1, cls=Detached)
+    assert (tr.gradlab_window.W == 0).all()
+    assert "did not reach the policy log-probs" in caplog.text
+
+
 def test_sampled_mask_recovers_the_rows_trl_dropped():
     """The nodes' mask from TRL's padded batch: every token of each completion, tool results
     included, on the rows mask_truncated_completions zeroed too (pad id = EOS id here, and a

@@ -36,6 +36,7 @@ token counts are global, and rank 0 writes the store.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -70,6 +71,8 @@ from .trl_window import (  # noqa: F401  (public here too)
     stepwise_residual,
     window_metrics,
 )
+
+log = logging.getLogger("gradlab")
 
 
 @dataclass
@@ -319,7 +322,10 @@ class GradlabMixin(ResumeMixin):
         # of it. TRL scales each loss for that mean (dapo divides by the global token count / P),
         # so W / P is what one process computes on the same completions.
         P = self.accelerator.num_processes
-        part["W"] = torch.zeros_like(part["logps"]) if W is None else W / P  # None: no backward
+        if W is None:  # the backward never reached the log-probs: no gradient from these rows
+            log.warning("gradlab: TRL's backward of loss call %d did not reach the policy "
+                        "log-probs the hook watches; its rows' W is recorded as 0", part["micro"])
+        part["W"] = torch.zeros_like(part["logps"]) if W is None else W / P
         part["W_base"] = None if W_base is None else W_base / P
 
     # --- per window --------------------------------------------------------------------
