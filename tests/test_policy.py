@@ -161,6 +161,24 @@ def test_shipped_policies_are_the_tasks_own():
         shipped.check_shipped_policy(key)
 
 
+def test_a_tokenizer_without_pad_or_eos_is_refused_by_name(tmp_path, default_policy):
+    """No pad token: padded with EOS (padding is masked out); neither: a ConfigError naming the
+    folder, not a failure deep in the first rollout."""
+    from gradlab.loop.config import ConfigError
+
+    model, _ = default_policy
+    for name, keep_eos in (("eos", True), ("none", False)):
+        tok = build_tokenizer()
+        tok.pad_token = None
+        if not keep_eos:
+            tok.eos_token = None
+        save_policy(model, tok, tmp_path / name)
+    _, tok = load_policy(tmp_path / "eos")
+    assert tok.pad_token_id == tok.eos_token_id == 1
+    with pytest.raises(ConfigError, match=f"tokenizer in {tmp_path / 'none'} has neither a pad nor an EOS"):
+        load_policy(tmp_path / "none")
+
+
 def test_bf16_folder_loads_fp32_master_weights_with_sdpa(tmp_path, default_policy):
     """A bf16 checkpoint loads as float32 (exactly the stored values) with SDPA attention, so a
     small AdamW step moves weights that bf16 would round back (1.0 - 2e-4 is 1.0 in bf16)."""

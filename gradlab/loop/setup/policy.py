@@ -23,7 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from ..config import check_model_files
+from ..config import ConfigError, check_model_files
 from ..faults.untrusted import check_pickles
 from ..numerics.arch import choose_attn, set_dropout
 from ..numerics.logprobs import token_logps
@@ -288,7 +288,11 @@ def _load_folder(path: Path, device, attn: str = "auto", trust_remote_code: bool
     set_dropout(model, keep=dropout)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:  # many HF LMs ship without a pad token
+    if tokenizer.pad_token_id is None:  # many HF LMs ship without one: pad with EOS (masked out)
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"--model: the tokenizer in {path} has neither a pad nor an EOS "
+                              "token; gradlab ends every response with EOS (add one with "
+                              "tokenizer.add_special_tokens, then save_pretrained)")
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
 
