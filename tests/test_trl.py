@@ -139,6 +139,24 @@ def test_a_loss_call_the_backward_never_reached_is_named(tmp_path, caplog):
     assert "did not reach the policy log-probs" in caplog.text
 
 
+def test_dfpo_acts_on_groups_with_a_truncated_completion_and_leaves_it_at_zero(tmp_path):
+    """DFPO with mask_truncated_completions: the group of a dropped completion keeps its
+    full-group nodes, the transform acts there on the rows that carry loss, and the dropped
+    row's W̃ stays 0 (no gradient into a row TRL's loss leaves out)."""
+    from gradlab.core.nodes import shared_nodes
+
+    gl = GradlabConfig(store=None, dfpo="orth", keep_windows=True)
+    tr = run(tmp_path, "grpo", "sequence", spg=4, gens=1, lr=3e-3, gl=gl, workload="lengths",
+             max_completion_length=12, mask_truncated_completions=True)
+    w = tr.gradlab_window
+    dropped = ~w.loss_mask.any(-1)
+    assert bool(dropped.any()) and bool((w.W[dropped] == 0).all())
+    hit = torch.isin(w.batch.group, w.batch.group[dropped]) & ~dropped  # rows beside them
+    at_node = shared_nodes(w.batch, "prefix").node >= 0
+    assert bool((at_node & hit[:, None]).any())
+    assert float((w.W - w.W_base)[at_node & hit[:, None]].abs().max()) > 0  # transformed
+
+
 def test_sampled_mask_recovers_the_rows_trl_dropped():
     """The nodes' mask from TRL's padded batch: every token of each completion, tool results
     included, on the rows mask_truncated_completions zeroed too (pad id = EOS id here, and a
