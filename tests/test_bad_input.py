@@ -233,6 +233,7 @@ def test_cli_missing_shipped_policy_is_one_line_naming_the_file(argv, tmp_path, 
     assert code == 2, (argv, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "model.safetensors is missing" in err and "git checkout -- gradlab/data/" in err, err
+    assert ("scaffold_policy" in err) == ("scaffold" in argv), err  # the task's own policy
     if argv[0] in ("run", "tandem", "reproduce"):
         assert not out.exists()  # refused before the run folder was made
 
