@@ -117,7 +117,7 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
 def _checked_config(a: argparse.Namespace) -> RunConfig:
     """RunConfig from the options (validated), the task file, the device and --model checked:
     before any work, torch-free up to the device and model checks."""
-    from .cli_args import check_context, check_device, check_model, check_task_file
+    from .cli_args import check_context, check_device, check_model, check_policy, check_task_file
 
     check_task_file(a.task)  # a bad line is the first thing to fix, before the other options
     if not a.resume:  # a resumed run's model and length are the stored ones: checked below
@@ -131,6 +131,7 @@ def _checked_config(a: argparse.Namespace) -> RunConfig:
     check_context(cfg.max_new_tokens, cfg.model)
     check_device(cfg.device)
     check_model(cfg.model, cfg.trust_remote_code)
+    check_policy(cfg.task, cfg.difficulty, cfg.model)  # a shipped file missing from the install
     return cfg
 
 

@@ -179,12 +179,28 @@ def check_model(path: str | None, trust_remote_code: bool = False, option: str =
 
 # the shipped tiny policies (every task's warm start shares their configuration)
 TINY_POLICY = Path(__file__).resolve().parent / "data" / "default_policy"
+
+
+def check_policy(task: str, difficulty: int, model: str | None) -> None:
+    """The shipped policy that a run without --model loads (loop/train.py: the built-in task's
+    own, the default one for a JSONL task) is whole in this install; else `MissingPolicyError`
+    naming the file and how to restore it, before any work. Torch-free."""
+    if model is not None:
+        return
+    from .loop.setup.shipped import check_shipped_policy
+
+    key = {"arithmetic": f"arithmetic-d{difficulty}", "scaffold": "scaffold-t4"}
+    check_shipped_policy(key.get(task, "arithmetic-d2"))  # a JSONL task: the default policy
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def model_context(model: str | None) -> int | None:
     """The context length in tokens of model folder `model` (None: gradlab's tiny policies),
     read from its config.json (a multimodal model's text_config); None where it names none."""
+    if model is None:  # a missing shipped file is named as such, not as a bad --model
+        from .loop.setup.shipped import check_shipped_policy
+
+        check_shipped_policy()
     data = _model_config(str(model or TINY_POLICY), "--model")
     for conf in (data, data.get("text_config") or {}):
         for key in CONTEXT_KEYS:

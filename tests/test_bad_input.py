@@ -206,6 +206,38 @@ def test_cli_bad_input_is_one_line_naming_the_mistake(cmd, args, expect, tmp_pat
     assert len([line for line in err.splitlines() if "error" in line]) == 1, err
 
 
+@pytest.mark.parametrize("argv", [
+    ["run", "grpo"], ["tandem", "--max-new-tokens", "8"], ["reproduce"],
+    ["run", "grpo", "--task", "scaffold"], ["variance", "--K", "2"],
+    ["audit", "trl", "--quick"]])
+def test_cli_missing_shipped_policy_is_one_line_naming_the_file(argv, tmp_path, monkeypatch, capsys):
+    """An install that lacks a shipped policy's weights: exit 2 and one line naming the file and
+    how to restore it, before any work (no run folder); never a fresh warm start in its place."""
+    from gradlab.loop.setup import policy, shipped
+
+    def no_warm_start(*a, **kw):
+        raise AssertionError("warm start in place of the shipped policy")
+
+    monkeypatch.setattr(policy, "warm_start", no_warm_start)
+    for key, (folder, regenerate) in list(shipped.SHIPPED_POLICIES.items()):
+        copy = tmp_path / "install" / folder.name
+        shutil.copytree(folder, copy)
+        (copy / "model.safetensors").unlink()
+        monkeypatch.setitem(shipped.SHIPPED_POLICIES, key, (copy, regenerate))
+    names = _folders(tmp_path)
+    out = tmp_path / "run"
+    argv = [names.get(x, x) for x in argv]
+    argv += ["--out", str(out)] if argv[0] in ("run", "tandem", "reproduce", "variance", "audit") else []
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (argv, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "model.safetensors is missing" in err and "git checkout -- gradlab/data/" in err, err
+    assert ("scaffold_policy" in err) == ("scaffold" in argv), err  # the task's own policy
+    if argv[0] in ("run", "tandem", "reproduce"):
+        assert not out.exists()  # refused before the run folder was made
+
+
 def test_help_version_and_argument_errors_do_not_import_torch():
     code = ("import sys\nfrom gradlab.cli import main\n"
             "for argv in (['--help'], ['--version'], ['run', 'grpo', '--step', '3'], "

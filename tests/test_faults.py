@@ -551,3 +551,25 @@ def test_all_finite_check_equals_elementwise_isfinite():
     for ts in cases:
         ref = all(bool(torch.isfinite(t).all()) for t in ts)
         assert bool(_all_finite(ts)) == ref, ts
+
+
+def test_an_unreadable_checkpoint_state_is_named_when_a_run_is_sized_up(tmp_path, caplog):
+    """`run_status` (what `gradlab reproduce` and `gradlab view` read of a run folder) counts an
+    unreadable state.json as no checkpoint and says so with a warning naming the file."""
+    import logging
+
+    from gradlab.core.variants import label
+    from gradlab.loop.runs.resume import run_status
+
+    cfg = RunConfig(out=str(tmp_path), objectives=["grpo", "gspo"], steps=6)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_json()))
+    (tmp_path / "metrics.jsonl").write_text("")
+    for name, text in (("grpo", '{"step": 4}'), ("gspo", '{"step": ')):
+        d = tmp_path / "checkpoints" / label(name)
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(text)
+    with caplog.at_level(logging.WARNING, logger="gradlab"):
+        assert run_status(tmp_path) == (0, 6)
+    bad = tmp_path / "checkpoints" / label("gspo") / "state.json"
+    assert any(str(bad) in r.getMessage() and "counted as no checkpoint" in r.getMessage()
+               for r in caplog.records), caplog.text

@@ -165,7 +165,7 @@ def test_old_loop_paths_import_the_moved_module(name):
 
 def test_package_data_found_from_the_sub_packages():
     """Paths to gradlab/data come from each module's own file: a deeper folder must not lose
-    them (without the shipped policy the loop would warm-start a new one)."""
+    them (without the shipped policy every run without --model is refused)."""
     from gradlab.loop.recipes.reference import REFERENCE
     from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR, SCAFFOLD_POLICY_DIR
 

@@ -1,12 +1,13 @@
 """Tokenizer, model configs, warm start, save/load and evaluation of the tiny policies."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gradlab.loop.setup import policy
+from gradlab.loop.setup import policy, shipped
 from gradlab.loop.setup.policy import (
     ACCURACY_BAND,
     build_tokenizer,
@@ -17,7 +18,7 @@ from gradlab.loop.setup.policy import (
     tiny_config,
     warm_start,
 )
-from gradlab.loop.setup.task import ArithmeticTask, JsonlTask
+from gradlab.loop.setup.task import ArithmeticTask, JsonlTask, ScaffoldTask
 from tolerance import assert_close_f32
 
 
@@ -125,6 +126,57 @@ def test_load_policy_caches_warm_start(tmp_path, monkeypatch):
     load_policy(task=task, cache_dir=tmp_path)
     assert calls == ["arithmetic-d1"]  # second call hits the cache
     assert (tmp_path / "arithmetic-d1-seed0" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("task, missing", [(None, "model.safetensors"),
+                                            (ArithmeticTask(), "tokenizer.json"),
+                                            (ScaffoldTask(), "config.json")])
+def test_missing_shipped_policy_is_an_error_not_a_warm_start(tmp_path, monkeypatch, task, missing):
+    """A shipped policy with a file missing from the install: MissingPolicyError (a
+    FileNotFoundError) naming the file and how to restore it; no warm start, nothing cached."""
+    def no_warm_start(*a, **kw):
+        raise AssertionError("warm start in place of the shipped policy")
+
+    monkeypatch.setattr(policy, "warm_start", no_warm_start)
+    key = (task or ArithmeticTask()).key
+    folder, regenerate = shipped.SHIPPED_POLICIES[key]
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy)
+    (copy / missing).unlink()
+    monkeypatch.setitem(shipped.SHIPPED_POLICIES, key, (copy, regenerate))
+    with pytest.raises(FileNotFoundError) as e:
+        load_policy(task=task, cache_dir=tmp_path / "cache")
+    assert isinstance(e.value, shipped.MissingPolicyError)
+    msg = str(e.value)
+    assert str(copy / missing) in msg and "\n" not in msg
+    assert f"git checkout -- gradlab/data/{folder.name}" in msg and regenerate in msg
+    assert not (tmp_path / "cache").exists()
+
+
+def test_shipped_policies_are_the_tasks_own():
+    """The torch-free table of shipped policies names the keys the tasks compute, and every
+    file `load_policy` reads is in the install."""
+    assert set(shipped.SHIPPED_POLICIES) == {ArithmeticTask().key, ScaffoldTask().key}
+    for key in shipped.SHIPPED_POLICIES:
+        shipped.check_shipped_policy(key)
+
+
+def test_a_tokenizer_without_pad_or_eos_is_refused_by_name(tmp_path, default_policy):
+    """No pad token: padded with EOS (padding is masked out); neither: a ConfigError naming the
+    folder, not a failure deep in the first rollout."""
+    from gradlab.loop.config import ConfigError
+
+    model, _ = default_policy
+    for name, keep_eos in (("eos", True), ("none", False)):
+        tok = build_tokenizer()
+        tok.pad_token = None
+        if not keep_eos:
+            tok.eos_token = None
+        save_policy(model, tok, tmp_path / name)
+    _, tok = load_policy(tmp_path / "eos")
+    assert tok.pad_token_id == tok.eos_token_id == 1
+    with pytest.raises(ConfigError, match=f"tokenizer in {tmp_path / 'none'} has neither a pad nor an EOS"):
+        load_policy(tmp_path / "none")
 
 
 def test_bf16_folder_loads_fp32_master_weights_with_sdpa(tmp_path, default_policy):

@@ -76,6 +76,109 @@ def trl_autograd_W(tr, state: dict, inputs: dict) -> torch.Tensor:
     return -torch.autograd.grad(loss, got["lp"])[0]
 
 
+class Lengths(GradlabGRPOTrainer):
+    """Keeps the length of every generated completion (TRL's own lists, before padding)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.lengths = []
+        super().__init__(*args, **kwargs)
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        self.lengths.append([len(c) for c in out[1]])  # (prompt_ids, completion_ids, ...)
+        return out
+
+
+def test_truncated_completions_stay_in_the_nodes_with_W_zero(tmp_path):
+    """mask_truncated_completions: a completion cut at max_completion_length carries no loss
+    but keeps its tokens in its group's nodes with W = 0, so ρ counts the gradient its group
+    lost there. W and ρ equal gradlab's closed form (dr_grpo: A_i / (B·L) on the loss tokens)
+    on the same batch, nodes built from every sampled token."""
+    from gradlab.core.cancellation import cancellation
+    from gradlab.core.nodes import shared_nodes
+
+    L = 12  # the "lengths" workload's responses run 7..15 tokens: some groups lose a few rows
+    tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1, workload="lengths", cls=Lengths,
+             max_completion_length=L, mask_truncated_completions=True)
+    w = tr.gradlab_window
+    n = torch.tensor(tr.lengths[-1])
+    sampled = torch.arange(w.batch.T) < n[:, None]
+    last = w.batch.tokens.gather(1, (n - 1)[:, None]).squeeze(1)
+    truncated = (n == L) & (last != tr.processing_class.eos_token_id)  # TRL's rule
+    assert 0 < int(truncated.sum()) < len(n)
+    assert torch.equal(w.batch.mask, sampled)  # the nodes see every sampled token
+    assert torch.equal(w.loss_mask, sampled & ~truncated[:, None])  # TRL's loss: not these
+    assert bool((w.W[truncated] == 0).all()) and bool((w.W[~truncated] != 0).any())
+    sn = shared_nodes(w.batch, "prefix")
+    assert bool((sn.node[truncated] >= 0).any())  # truncated rows are members of full-group nodes
+    assert w.metrics["nodes_prefix"] == sn.n
+    # gradlab's closed form on the same batch: W from the loss tokens, ρ at every sampled token
+    W_cf = trl_audit.closed_form("dr_grpo", "token", tr.args).modulation(
+        w.batch.replace(mask=w.loss_mask))
+    assert_close_f32(w.W, W_cf, msg="hooked W vs dr_grpo closed form")
+    c = cancellation(W_cf, w.batch, sn=sn)
+    assert c.ratio > 1e-3  # on-policy dr_grpo cancels but for the dropped rows' share
+    assert w.metrics["rho_prefix"] == pytest.approx(c.ratio, rel=1e-4)
+    assert w.metrics["mass_prefix"] == pytest.approx(c.mass, rel=1e-4)
+
+
+class Detached(GradlabGRPOTrainer):
+    """A loss whose backward never reaches the log-probs (its value kept, its graph cut)."""
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        return loss.detach() + 0 * next(model.parameters()).sum()
+
+
+def test_a_loss_call_the_backward_never_reached_is_named(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="gradlab"):
+        tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1, cls=Detached)
+    assert (tr.gradlab_window.W == 0).all()
+    assert "did not reach the policy log-probs" in caplog.text
+
+
+def test_dfpo_acts_on_groups_with_a_truncated_completion_and_leaves_it_at_zero(tmp_path):
+    """DFPO with mask_truncated_completions: the group of a dropped completion keeps its
+    full-group nodes, the transform acts there on the rows that carry loss, and the dropped
+    row's W̃ stays 0 (no gradient into a row TRL's loss leaves out)."""
+    from gradlab.core.nodes import shared_nodes
+
+    gl = GradlabConfig(store=None, dfpo="orth", keep_windows=True)
+    tr = run(tmp_path, "grpo", "sequence", spg=4, gens=1, lr=3e-3, gl=gl, workload="lengths",
+             max_completion_length=12, mask_truncated_completions=True)
+    w = tr.gradlab_window
+    dropped = ~w.loss_mask.any(-1)
+    assert bool(dropped.any()) and bool((w.W[dropped] == 0).all())
+    hit = torch.isin(w.batch.group, w.batch.group[dropped]) & ~dropped  # rows beside them
+    at_node = shared_nodes(w.batch, "prefix").node >= 0
+    assert bool((at_node & hit[:, None]).any())
+    assert float((w.W - w.W_base)[at_node & hit[:, None]].abs().max()) > 0  # transformed
+
+
+def test_sampled_mask_recovers_the_rows_trl_dropped():
+    """The nodes' mask from TRL's padded batch: every token of each completion, tool results
+    included, on the rows mask_truncated_completions zeroed too (pad id = EOS id here, and a
+    pad id inside a truncated completion)."""
+    from gradlab.integrations.trl import _loss_mask, _sampled_mask
+
+    pad = eos = 1
+    rows = [[5, 6, 1], [5, 1, 7, 8], [5, 6, 7, 8], [4, 9, 9, 1]]  # rows 1, 2: truncated
+    tools = [[1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1], [1, 0, 1, 1]]
+    T = 4
+    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    sampled = torch.arange(T) < lengths[:, None]
+    cut = torch.tensor([r[-1] not in (eos, pad) for r in rows])
+    tool = torch.tensor([t + [1] * (T - len(t)) for t in tools])
+    out = {"completion_ids": ids, "completion_mask": (sampled & ~cut[:, None]).long(),
+           "tool_mask": tool * (~cut).long()[:, None]}
+    assert torch.equal(_sampled_mask(out, True, pad), sampled)
+    assert torch.equal(_sampled_mask(out, False, pad), sampled & ~cut[:, None])  # flag off: TRL's
+    assert torch.equal(_loss_mask(out), sampled & ~cut[:, None] & tool.bool())
+
+
 def test_hook_W_is_the_gradient_of_trls_loss(tmp_path):
     # Sequence-level IS, 2 optimizer steps per generation: the 2nd call is off-policy (s_i ≠ 1).
     tr = run(tmp_path, "grpo", "sequence", spg=2, gens=1, cls=Capturing, lr=3e-3)

@@ -36,6 +36,7 @@ token counts are global, and rank 0 writes the store.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -70,6 +71,8 @@ from .trl_window import (  # noqa: F401  (public here too)
     stepwise_residual,
     window_metrics,
 )
+
+log = logging.getLogger("gradlab")
 
 
 @dataclass
@@ -216,15 +219,17 @@ class GradlabMixin(ResumeMixin):
             group = reconstruct_groups(out["prompt_ids"], out["prompt_mask"], self.num_generations)
             out[ROW_KEY] = torch.arange(cids.shape[0], device=cids.device)
             out[GROUP_KEY] = group
-            mask = _loss_mask(out)
+            # Nodes come from every sampled token; TRL's loss mask only makes W = 0 (module doc).
+            mask = _sampled_mask(out, self.args.mask_truncated_completions,
+                                 _pad_token_id(self.processing_class))
+            loss = _loss_mask(out)
             if self.gradlab.loss is not None:
                 A = local_advantages(self, self._gl_rewards, out, mask, group)
                 out["advantages"] = A.to(out["advantages"].dtype)
             self._gl_gen = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
-                            "tokens": cids, "mask": mask, "attn": out["completion_mask"],
-                            "advantages": out["advantages"],
-                            "group": group}
-            self._gl_tokens += int(self.accelerator.gather(mask.sum()).sum())  # all processes
+                            "tokens": cids, "mask": mask, "loss_mask": loss,
+                            "advantages": out["advantages"], "group": group}
+            self._gl_tokens += int(self.accelerator.gather(loss.sum()).sum())  # all processes
         return out
 
     def _prepare_inputs(self, generation_batch):
@@ -297,9 +302,14 @@ class GradlabMixin(ResumeMixin):
                 f"gradlab DFPO: group {g} has {int(here[g])} of its rows in this micro-batch "
                 f"(group size {int(full[g])}, num_generations={self.num_generations}); DFPO needs "
                 "each group whole in one loss call and on one process")
+        # Nodes over every sampled token; a token outside TRL's loss mask (a truncated row under
+        # mask_truncated_completions, a tool result) gets A = 0 here, so the transform leaves it
+        # out of its node (its W is 0 and w = W/A undefined) and keeps its W̃ = 0.
+        rows = inputs[ROW_KEY]
+        adv = adv.detach()[:, None] * _loss_mask(inputs).to(adv.dtype)
         lp = logps.detach()
-        return TokenBatch(tokens=inputs["completion_ids"], mask=_loss_mask(inputs), logps=lp,
-                          old_logps=lp, advantages=adv.detach(), group=group, validate=False)
+        return TokenBatch(tokens=inputs["completion_ids"], mask=self._gl_gen["mask"][rows],
+                          logps=lp, old_logps=lp, advantages=adv, group=group, validate=False)
 
     def _gl_harvest(self, part: dict) -> None:
         """After the backward: keep W (and W_base under DFPO), drop the hooks."""
@@ -312,7 +322,10 @@ class GradlabMixin(ResumeMixin):
         # of it. TRL scales each loss for that mean (dapo divides by the global token count / P),
         # so W / P is what one process computes on the same completions.
         P = self.accelerator.num_processes
-        part["W"] = torch.zeros_like(part["logps"]) if W is None else W / P  # None: no backward
+        if W is None:  # the backward never reached the log-probs: no gradient from these rows
+            log.warning("gradlab: TRL's backward of loss call %d did not reach the policy "
+                        "log-probs the hook watches; its rows' W is recorded as 0", part["micro"])
+        part["W"] = torch.zeros_like(part["logps"]) if W is None else W / P
         part["W_base"] = None if W_base is None else W_base / P
 
     # --- per window --------------------------------------------------------------------
@@ -325,7 +338,8 @@ class GradlabMixin(ResumeMixin):
         w = self._gl_assemble(parts, gen)
         if w is None:
             return
-        w.metrics = window_metrics(w.batch, w.W, w.opt, w.micro, w.W_base, self.gradlab.trie)
+        w.metrics = window_metrics(w.batch, w.W, w.opt, w.micro, w.W_base, self.gradlab.trie,
+                                   w.loss_mask)
         w.metrics.update(tax)
         due = self._gl_instruments.due(w.index)
         if due:  # the user's instruments, the same objects as in gradlab's loop
@@ -349,8 +363,8 @@ class GradlabMixin(ResumeMixin):
         """Scatter the loss calls' rows back into generation-batch order (and gather ranks)."""
         tok, cols = gen["tokens"], ("W", "W_base", "logps", "old")
         micro = torch.full((tok.shape[0],), -1, dtype=torch.long, device=tok.device)
-        t = {"tokens": tok, "mask": gen["mask"], "adv": gen["advantages"], "group": gen["group"],
-             "micro": micro}
+        t = {"tokens": tok, "mask": gen["mask"], "loss": gen["loss_mask"],
+             "adv": gen["advantages"], "group": gen["group"], "micro": micro}
         for c in cols:
             have = all(p.get(c) is not None for p in parts)
             t[c] = tok.new_zeros(tok.shape, dtype=parts[0]["W"].dtype) if have else None
@@ -370,7 +384,7 @@ class GradlabMixin(ResumeMixin):
         k = self._gl_win0 + parts[0]["micro"] // self.args.steps_per_generation  # window index
         return Window(batch, t["W"], t["W_base"], t["micro"],
                       t["micro"] // self.args.gradient_accumulation_steps,
-                      index=k, iteration=k % self.num_iterations)
+                      index=k, iteration=k % self.num_iterations, loss_mask=t["loss"].bool())
 
     def _gl_gather(self, t: dict, gen: dict) -> dict:
         """Data parallelism: rows of all processes, rank-major (= the global sampler order),
@@ -393,6 +407,31 @@ def _loss_mask(inputs: dict) -> Tensor:
     if inputs.get("tool_mask") is not None:
         m = m * inputs["tool_mask"]
     return m.bool()
+
+
+def _sampled_mask(inputs: dict, masked_truncated: bool, pad_id: int) -> Tensor:
+    """(B, T) bool — every token of each completion (tool results included), whether or not
+    TRL's loss counts it: the completion mask, except on the rows that
+    `mask_truncated_completions` zeroed whole (`masked_truncated`). TRL truncates a row whose
+    last token is neither EOS nor pad, so such a row runs up to its last non-pad token
+    (completions are right-padded with `pad_id`); a completion holds at least one token, so no
+    other row has an all-zero completion mask."""
+    m = inputs["completion_mask"].bool()
+    if not masked_truncated:
+        return m
+    ids = inputs["completion_ids"]
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    last = torch.where(ids != pad_id, pos, -1).amax(-1, keepdim=True)  # (B, 1)
+    return torch.where(m.any(-1, keepdim=True), m, pos <= last)
+
+
+def _pad_token_id(processing_class) -> int:
+    """The pad id TRL pads completions with (a processor's is its tokenizer's)."""
+    tok = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps one
+    if tok.pad_token_id is None:
+        raise ValueError("gradlab: the tokenizer has no pad_token_id; TRL pads completions "
+                         "with it (set tokenizer.pad_token)")
+    return int(tok.pad_token_id)
 
 
 class GradlabGRPOTrainer(GradlabMixin, GRPOTrainer):

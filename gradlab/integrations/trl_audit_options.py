@@ -81,9 +81,9 @@ QUICK = ("none (base)", "mask_truncated_completions", "vLLM IS token_truncate",
 
 
 class OptionAuditTrainer(GradlabGRPOTrainer):
-    """GradlabGRPOTrainer for the option rows: the batch mask is every sampled token (so a
-    completion that `mask_truncated_completions` drops stays in its group's nodes with W = 0),
-    and, with `emulate(noise)`, an emulated vLLM sampler (module doc)."""
+    """GradlabGRPOTrainer for the option rows (its batch mask is every sampled token, so a
+    completion that `mask_truncated_completions` drops stays in its group's nodes with W = 0)
+    with, after `emulate(noise)`, an emulated vLLM sampler (module doc)."""
 
     noise: str | None = None
     sampling: list  # (B, T) emulated sampler log-probs of each training generation batch
@@ -103,7 +103,6 @@ class OptionAuditTrainer(GradlabGRPOTrainer):
             out = list(super()._generate(prompts))
         finally:
             self.use_vllm = self.noise is not None
-        self._lengths = [len(c) for c in out[1]]
         if self.noise is not None:
             out[4] = self._sampler_logps(out[0], out[1])
         return tuple(out)
@@ -132,14 +131,8 @@ class OptionAuditTrainer(GradlabGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        if self.model.training and self._gl_gen is not None:
-            cids = out["completion_ids"]
-            n = torch.tensor(self._lengths, device=cids.device)
-            self._gl_gen["loss_mask"] = self._gl_gen["mask"]  # TRL's (truncated rows dropped)
-            self._gl_gen["mask"] = torch.arange(cids.shape[1], device=cids.device) < n[:, None]
-            if self.noise is not None:
-                s = out["sampling_per_token_logps"]
-                self.sampling.append(s.detach().double().cpu())
+        if self.model.training and self._gl_gen is not None and self.noise is not None:
+            self.sampling.append(out["sampling_per_token_logps"].detach().double().cpu())
         return out
 
 

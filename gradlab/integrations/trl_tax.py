@@ -98,7 +98,7 @@ class TRLTaxProbe:
 
 
 def call_batch(trainer, part: dict) -> TokenBatch:
-    """TokenBatch (b, T) of one loss call's rows from the generation batch: tokens, loss mask,
+    """TokenBatch (b, T) of one loss call's rows from the generation batch: tokens, sampled mask,
     its log-probs (old = TRL's old log-probs, else the same), advantages, groups relabelled
     0..k−1 (a group of the call may hold fewer than G rows)."""
     gen, rows = trainer._gl_gen, part["row"]
@@ -124,7 +124,8 @@ def call_tax(trainer, part: dict, params: dict[str, Tensor]) -> tuple[dict[str, 
     D = residual_grad_outputs(part["W"], batch, sn)[reps, :t_max]
     r = rows[reps]
     ids = torch.cat([gen["prompt_ids"][r], gen["tokens"][r, :t_max]], dim=1)
-    attn = torch.cat([gen["prompt_mask"][r], gen["attn"][r, :t_max]], dim=1)
+    # attention over every sampled token: a representative may be a row TRL's loss drops
+    attn = torch.cat([gen["prompt_mask"][r], gen["mask"][r, :t_max].long()], dim=1)
     lp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, t_max)[0]
     return {n: v.float() for n, v in tax_grads(lp, D, params).items()}, sn.n
 

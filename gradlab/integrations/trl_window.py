@@ -22,12 +22,16 @@ ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added t
 class Window:
     """One pass over a generation batch, rows in the generation batch's (unshuffled) order.
 
-    batch: TokenBatch (B, T) — completion tokens and mask, logps = each row's log-probs in its
-        loss call (detached), old_logps = TRL's old log-probs (= logps when TRL had none, i.e.
-        on-policy), advantages (B,), group (B,) reconstructed.
-    W (B, T): measured modulation, the one the backward used (W̃ under DFPO).
+    batch: TokenBatch (B, T) — completion tokens and mask (every sampled token: the nodes are
+        built from it), logps = each row's log-probs in its loss call (detached), old_logps =
+        TRL's old log-probs (= logps when TRL had none, i.e. on-policy), advantages (B,), group
+        (B,) reconstructed.
+    W (B, T): measured modulation, the one the backward used (W̃ under DFPO); 0 outside
+        `loss_mask`.
     W_base (B, T) or None: the base loss's W before the DFPO transform.
     micro, opt (B,) long: the micro-batch (loss call) and optimizer step of each row.
+    loss_mask (B, T) bool or None: the tokens TRL's loss counts (completion × tool mask; a
+        row that mask_truncated_completions drops is all False); None = batch.mask.
     """
 
     batch: TokenBatch
@@ -38,6 +42,7 @@ class Window:
     index: int
     iteration: int
     metrics: dict = field(default_factory=dict)
+    loss_mask: Tensor | None = None
 
 
 def reconstruct_groups(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int) -> Tensor:
@@ -95,16 +100,21 @@ def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, 
     return res, (res / mass if mass > 0 else math.nan)
 
 
-def drift_figures(batch: TokenBatch, sn: SharedNodes) -> dict[str, float]:
+def drift_figures(batch: TokenBatch, sn: SharedNodes,
+                  loss_mask: Tensor | None = None) -> dict[str, float]:
     """Mean Δl = l_used − l_old (nats) at full-group node tokens and at divergent tokens by the
     sign of A: how far the earlier optimizer steps of the window moved the policy since
     sampling, free from TRL's own log-probs (KL would need full distributions: not kept).
-    A mean over no token (no full-group token, no row of that sign) is NaN: undefined."""
+    Only tokens of `loss_mask` (B, T) bool count (None: every token of batch.mask): TRL
+    computes a dropped row's log-probs without attending to its completion. A mean over no
+    token (no full-group token, no row of that sign) is NaN: undefined."""
     dl = (batch.logps - batch.old_logps).double()
     A = batch.adv_tokens
-    div = batch.mask & (sn.node < 0)
+    live = batch.mask if loss_mask is None else batch.mask & loss_mask
+    div = live & (sn.node < 0)
     out = {}
-    for name, keep in (("node", sn.node >= 0), ("div_pos", div & (A > 0)), ("div_neg", div & (A < 0))):
+    for name, keep in (("node", live & (sn.node >= 0)), ("div_pos", div & (A > 0)),
+                       ("div_neg", div & (A < 0))):
         n = int(keep.sum())
         out[f"drift_{name}_dlogp"] = float(dl[keep].sum()) / n if n else math.nan
     return out
@@ -120,8 +130,10 @@ def tied_share(batch: TokenBatch) -> float:
 
 
 def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
-                   W_base: Tensor | None = None, trie: bool = True) -> dict[str, float]:
-    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`.
+                   W_base: Tensor | None = None, trie: bool = True,
+                   loss_mask: Tensor | None = None) -> dict[str, float]:
+    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`;
+    the nodes come from batch.mask, `loss_mask` only limits the drift means.
 
     ρ, residual and mass come from the `residual` instrument (`gradlab.instruments.Residual`,
     the one gradlab's loop runs). Every ρ is NaN where it is undefined: nodes_prefix = 0 (no
@@ -147,5 +159,5 @@ def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
         out["rho_prefix_base"] = measure_window([Residual()], base)["rho_prefix"]
         out["rho_prefix_step_base"] = stepwise_residual(W_base, sn, opt)[1]
     if not torch.equal(batch.logps, batch.old_logps):  # off-policy rows exist
-        out.update(drift_figures(batch, sn))
+        out.update(drift_figures(batch, sn, loss_mask))
     return out

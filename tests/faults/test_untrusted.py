@@ -139,6 +139,12 @@ def test_a_jsonl_task_over_the_size_limit_is_refused_unread(tmp_path, capsys, mo
     monkeypatch.setenv("GRADLAB_MAX_TASK_MB", "1")
     assert main(["tandem", "--out", str(tmp_path / "run"), "--task", str(small), *RUN]) == 2
     assert "over the 1 MiB limit" in _one_line(capsys)
+    for bad in ("lots", "0", "-5", "nan"):  # a bad limit is named, never read as no limit
+        monkeypatch.setenv("GRADLAB_MAX_TASK_MB", bad)
+        assert main(["tandem", "--out", str(tmp_path / "run"), "--task", str(small), *RUN]) == 2
+        assert _one_line(capsys) == (
+            f"gradlab tandem: error: GRADLAB_MAX_TASK_MB={bad!r}: not a size; valid: a number "
+            "of MiB > 0 (or unset it for the default)")
     from gradlab.loop.setup.task import JsonlTask
 
     monkeypatch.delenv("GRADLAB_MAX_TASK_MB")

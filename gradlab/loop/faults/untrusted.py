@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -68,9 +69,25 @@ def check_pickles(folder: str | Path) -> None:
                 "tool that made it") from None
 
 
+def task_limit_mb() -> float:
+    """The JSONL task size limit in MiB: $GRADLAB_MAX_TASK_MB if set (a number > 0; anything
+    else is a ConfigError naming it, never ignored), else MAX_TASK_BYTES."""
+    raw = os.environ.get("GRADLAB_MAX_TASK_MB")
+    if raw is None:
+        return MAX_TASK_BYTES / 2**20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = math.nan
+    if not (math.isfinite(mb) and mb > 0):
+        raise ConfigError(f"GRADLAB_MAX_TASK_MB={raw!r}: not a size; valid: a number of MiB > 0 "
+                          "(or unset it for the default)")
+    return mb
+
+
 def check_task_size(path: str | Path) -> None:
     """ConfigError when a JSONL task file exceeds the size limit (checked with stat only)."""
-    limit = int(float(os.environ.get("GRADLAB_MAX_TASK_MB", MAX_TASK_BYTES / 2**20)) * 2**20)
+    limit = int(task_limit_mb() * 2**20)
     size = Path(path).stat().st_size
     if size > limit:
         raise ConfigError(

@@ -155,7 +155,8 @@ def restore(store, learners: list, D) -> int:
 
 def run_status(path: str | Path) -> tuple[int, int] | None:
     """(steps checkpointed by every objective, steps configured) of run folder `path`, or None
-    when it holds no run (no metrics.jsonl)."""
+    when it holds no run (no metrics.jsonl). An unreadable checkpoint state.json counts as no
+    checkpoint, with a warning naming it (resuming then refuses it, naming what to do)."""
     path = Path(path)
     if not (path / "metrics.jsonl").exists() or not (path / "config.json").is_file():
         return None
@@ -166,7 +167,9 @@ def run_status(path: str | Path) -> tuple[int, int] | None:
         st = path / "checkpoints" / _label(name) / "state.json"
         try:
             done.append(int(json.loads(st.read_text())["step"]) if st.exists() else 0)
-        except (json.JSONDecodeError, KeyError, ValueError):
+        except (json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
+            log.warning("%s: not a readable checkpoint state (%s: %s); counted as no checkpoint",
+                        st, type(e).__name__, str(e).splitlines()[0][:120] if str(e) else "")
             done.append(0)
     return (min(done) if done else 0), int(cfg.get("steps", 0))
 

@@ -23,17 +23,23 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from ..config import check_model_files
+from ..config import ConfigError, check_model_files
 from ..faults.untrusted import check_pickles
 from ..numerics.arch import choose_attn, set_dropout
 from ..numerics.logprobs import token_logps
 from ..rollouts.rollout import encode_pairs, generate  # noqa: F401  (encode_pairs: re-exported)
+from .shipped import (  # noqa: F401  (DATA_DIR: re-exported)
+    DATA_DIR,
+    DEFAULT_POLICY_DIR,
+    SCAFFOLD_POLICY_DIR,
+    SHIPPED_POLICIES,
+    MissingPolicyError,
+    check_shipped_policy,
+)
 from .task import ArithmeticTask, ScaffoldTask
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"  # gradlab/data
-DEFAULT_POLICY_DIR = DATA_DIR / "default_policy"
-# The shipped warm start of ScaffoldTask(4) (85 s to make on one CPU thread: shipped, not cached).
-SCAFFOLD_POLICY_DIR = DATA_DIR / "scaffold_policy"
+# SCAFFOLD_POLICY_DIR: the shipped warm start of ScaffoldTask(4) (minutes to make on one CPU
+# thread: shipped, not cached).
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # Printable ASCII without the exotic whitespace: covers the arithmetic task and most JSONL tasks.
 CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
@@ -282,7 +288,11 @@ def _load_folder(path: Path, device, attn: str = "auto", trust_remote_code: bool
     set_dropout(model, keep=dropout)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:  # many HF LMs ship without a pad token
+    if tokenizer.pad_token_id is None:  # many HF LMs ship without one: pad with EOS (masked out)
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"--model: the tokenizer in {path} has neither a pad nor an EOS "
+                              "token; gradlab ends every response with EOS (add one with "
+                              "tokenizer.add_special_tokens, then save_pretrained)")
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
 
@@ -303,9 +313,11 @@ def load_policy(
     path: a local Hugging Face causal-LM folder (model + its tokenizer); FileNotFoundError if
         missing, ConfigError naming what it lacks (weights, tokenizer files:
         `check_model_files`). path=None: the warm-started tiny policy for `task` (default
-        ArithmeticTask(2)):
-        the shipped gradlab/data/default_policy for the default task, otherwise warm-started on
-        first use (seed 0) and cached under `cache_root(cache_dir)/<task.key>-seed0`.
+        ArithmeticTask(2)): the shipped gradlab/data/default_policy (ArithmeticTask(2)) or
+        scaffold_policy (ScaffoldTask(4)), `MissingPolicyError` (a FileNotFoundError naming
+        the file and how to restore it) when the install lacks one of its files; any other
+        task's is warm-started on first use (seed 0) and cached under
+        `cache_root(cache_dir)/<task.key>-seed0`.
     The model is returned in eval mode on `device`, dropout off unless `dropout`
     (`set_dropout`), attention per `attn` (`choose_attn`; the tiny policies use eager unless
     forced). A folder that asks for remote code
@@ -321,10 +333,9 @@ def load_policy(
         return _load_folder(path, device, attn, trust_remote_code, dropout)
     attn = "eager" if attn == "auto" else attn  # the toy policies: exact under left padding
     key = task.key if task is not None else ArithmeticTask().key
-    if key == ArithmeticTask().key and (DEFAULT_POLICY_DIR / "config.json").is_file():
-        return _load_folder(DEFAULT_POLICY_DIR, device, attn, dropout=dropout)
-    if key == ScaffoldTask().key and (SCAFFOLD_POLICY_DIR / "config.json").is_file():
-        return _load_folder(SCAFFOLD_POLICY_DIR, device, attn, dropout=dropout)
+    if key in SHIPPED_POLICIES:  # never a fresh warm start in place of a shipped policy
+        check_shipped_policy(key)
+        return _load_folder(SHIPPED_POLICIES[key][0], device, attn, dropout=dropout)
     folder = cache_root(cache_dir) / f"{key}-seed0"
     if not (folder / "config.json").is_file():
         model, tokenizer, info = warm_start(task if task is not None else ArithmeticTask())
