@@ -173,7 +173,7 @@ def save_reference(cfg: RunConfig, typed: set[str], path: str | Path, k: int, fr
                    say=print) -> dict:
     """`--save-reference FILE`: run seeds cfg.seed … cfg.seed + k − 1 and write this machine's
     reference (config, typed options, per-seed fingerprint, summary and series) to `path`."""
-    from ... import provenance
+    from ... import jsonio, provenance
     from .baseline import run_record
     from .reference import numbers_of
 
@@ -186,7 +186,7 @@ def save_reference(cfg: RunConfig, typed: set[str], path: str | Path, k: int, fr
            "fingerprint": runs[0]["fingerprint"], "code_hash": provenance.code_hash(),
            "commit": provenance.git_state()["commit"], "runs": runs,
            "numbers": numbers_of(summaries)}
-    write_file(Path(path), json.dumps(ref, indent=None, allow_nan=False) + "\n")
+    write_file(Path(path), jsonio.dumps(ref) + "\n")  # strict: undefined is null
     fp = ref["fingerprint"]
     say(f"wrote {path}: {k} seed(s) {seeds} of this configuration on {fp['cpu_model']}, torch "
         f"{fp['torch']}, {fp['threads']} thread(s), code {ref['code_hash']}")
