@@ -118,6 +118,21 @@ def test_load_run_reads_null_as_nan_with_its_reason(tied_run):
     assert REASON not in wide.columns and wide["rho_prefix"].isna().all()
 
 
+def test_load_run_derives_reasons_for_a_run_written_without_them(tmp_path):
+    """A metrics.jsonl of plain nulls (no "undefined" entries): the reasons come from the
+    record's own sums: no node (n_shared = 0), every group tied (scale 0, zero_std_share 1)."""
+    base = {"objective": "grpo", "seed": 0, "tokens": 8, "zero_std_share": 1.0,
+            "n_shared_trie": 3.0, "scale_trie": 0.0, "rho_trie": None, "form0_share": None}
+    lines = [{**base, "step": 0, "n_shared_prefix": 0.0, "scale_prefix": 0.0, "rho_prefix": None},
+             {**base, "step": 1, "n_shared_prefix": 2.0, "scale_prefix": 1.0, "rho_prefix": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    tidy = load_run(tmp_path).set_index(["step", "metric"])
+    assert tidy.loc[(0, "rho_prefix"), REASON] == "no full-group token"
+    assert tidy.loc[(0, "rho_trie"), REASON] == tidy.loc[(1, "rho_trie"), REASON] == TIED
+    assert tidy.loc[(0, "form0_share"), REASON] == "no row"  # the ratio rule's reason
+    assert tidy.loc[(1, "rho_prefix"), "value"] == 0.25 and tidy.loc[(1, "rho_prefix"), REASON] is None
+
+
 def test_rewrites_keep_strict_json_and_reasons(tied_run, tmp_path):
     """truncate_after and drop_keys_at (resume) rewrite metrics.jsonl: still strict, reasons kept."""
     run = tmp_path / "copy"

@@ -13,8 +13,9 @@ columns  run, objective, seed, step, tokens, metric, value, undefined  (one row 
 objective × metric). The files are strict JSON (`gradlab.jsonio`): an undefined value (a ratio
 whose denominator is 0) is `null` in its record, with its reason under the record's
 `"undefined"` key; `load_run` reads it back as NaN with that reason in the `undefined` column
-(None beside a value, and beside a metric the step did not record). A torn last line (a crash mid-write) is skipped and logged; a corrupt line
-anywhere else is an error naming the file and line (never a silent deletion).
+(None beside a value, and beside a metric the step did not record). A torn last line (a
+crash mid-write) is skipped and logged; a corrupt line anywhere else is an error naming the
+file and line (never a silent deletion).
 
 Durability (loop/faults/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
 are fsynced and renamed; metrics lines are appended whole (a failed append is cut back); a
@@ -318,9 +319,9 @@ def _reasons(rec: dict) -> dict[str, str]:
 
     out = {}
     for k, v in rec.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            why = step_reason(rec, k) if math.isnan(v) else None
-            why = why if why not in (None, NOT_MEASURED) else _declared().get(k) if math.isnan(v) else None
+        if isinstance(v, float) and math.isnan(v):  # ±inf: jsonio's "infinite"
+            why = step_reason(rec, k)
+            why = why if why not in (None, NOT_MEASURED) else _declared().get(k)
             if why:
                 out[k] = why
     return out
