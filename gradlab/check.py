@@ -146,8 +146,8 @@ class Result:
     delta: float | None = None  # max |Δρ| against the baseline
     w_base: str = "—"  # W against the baseline: same, ×c or changed
     note: str = ""
-    # per metric, per seed: ρ undefined there (W ≡ 0 at the nodes); ρ is stored as 0 for the
-    # invariants and the baseline (no net gradient), printed as —
+    # per metric, per seed: why ρ is undefined there (no node, or W ≡ 0 at the nodes), None
+    # where it is defined; ρ is NaN there, null in the baseline, printed as —
     undefined: dict = field(default_factory=dict)
 
 
@@ -179,15 +179,20 @@ def loss_scenarios(fn: Callable, label: str, expect: str = "cancels") -> list[Sc
 # ----------------------------------------------------------------------------- measuring
 
 
-def _rhos(W, batch) -> tuple[float, float, bool, bool]:
-    """ρ prefix, ρ trie, and whether each is undefined (no node, or W ≡ 0 at the nodes)."""
+NO_NODE = {"prefix": "no full-group token", "trie": "no shared token"}
+NO_GRADIENT = "no gradient at the shared tokens (W ≡ 0 there)"
+
+
+def _rhos(W, batch) -> tuple[float, float, str | None, str | None]:
+    """ρ prefix, ρ trie (NaN where undefined) and why each is undefined (no node, or W ≡ 0 at
+    the nodes: nothing to cancel), None where it is defined."""
     from .core.cancellation import cancellation
 
-    if not bool(torch.isfinite(W[batch.mask]).all()):  # undefined; check_invariants names it
-        return float("nan"), float("nan"), False, False
+    if not bool(torch.isfinite(W[batch.mask]).all()):  # check_invariants names a non-finite W
+        return float("nan"), float("nan"), None, None
     c = [cancellation(W, batch, kind) for kind in ("prefix", "trie")]
-    # stored as 0 where undefined (no net gradient), with the flag that says so (`Result`)
-    return (*(0.0 if x.mass == 0 else x.ratio for x in c), c[0].mass == 0, c[1].mass == 0)
+    why = [None if x.mass > 0 else NO_NODE[x.kind] if x.n_nodes == 0 else NO_GRADIENT for x in c]
+    return (*(x.ratio if w is None else float("nan") for x, w in zip(c, why)), *why)
 
 
 def _hook_dev(W, closed, batch) -> float | None:
@@ -301,24 +306,34 @@ def check_invariants(results: list[Result], scenarios: list[Scenario], tol: dict
         if bad:  # ρ of a NaN W compares as neither 0 nor > 0: say so instead
             r.problems.append(f"W is not finite (NaN or inf) on seed(s) {bad}")
         for metric in ("rho_prefix", "rho_trie"):
-            rho, mark = max(getattr(r, metric)), sc.expect[metric]
-            if mark == "0" and rho > t["zero"]:
+            mark, defined = sc.expect[metric], _defined(getattr(r, metric))
+            rho = max(defined) if defined else None  # None: undefined at every seed
+            if mark == "0" and rho is not None and rho > t["zero"]:
                 r.problems.append(f"{metric} {rho:.3g} > {t['zero']:g}: expected cancellation")
-            if mark == "+" and rho < tol["positive"]:
+            if mark == "+" and rho is None and not bad:
+                r.problems.append(f"{metric} undefined at every seed (no node, or W ≡ 0 there): "
+                                  "expected a residual")
+            if mark == "+" and rho is not None and rho < tol["positive"]:
                 r.problems.append(f"{metric} {rho:.3g} < {tol['positive']:g}: expected a residual")
         if r.hook_dev is not None and r.hook_dev > t["hook"]:
             r.problems.append(f"hook W ≠ closed form (rel. {r.hook_dev:.2g})")
 
 
+def _defined(rhos: list[float | None]) -> list[float]:
+    """The values of ρ that are numbers (undefined: NaN, or None as read from a baseline)."""
+    return [x for x in rhos if x is not None and x == x]
+
+
 UNDEFINED = "—⁰"  # ρ undefined at every seed: W ≡ 0 at the nodes (legend under the table)
 
 
-def _worst(rhos: list[float], undefined: list[bool] = ()) -> str:
+def _worst(rhos: list[float], undefined: list = ()) -> str:
     """The largest ρ over the seeds where it is defined; "—" for a non-finite W (the FAIL line
     says so), UNDEFINED where no seed defines it."""
-    if any(x != x for x in rhos):
+    why = list(undefined) or [None] * len(rhos)
+    if any(x != x and not w for x, w in zip(rhos, why)):
         return "—"
-    defined = [x for x, u in zip(rhos, undefined or [False] * len(rhos)) if not u]
+    defined = _defined(rhos)
     return f"{max(defined):.3g}" if defined else UNDEFINED
 
 
@@ -339,7 +354,7 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
                      f"{dev:>11} {dlt:>9} {r.w_base:>8}  {status}")
     if any(UNDEFINED in ln for ln in lines[2:]):
         lines.append(f"{UNDEFINED} undefined: no node, or no gradient at the shared tokens (W ≡ 0 "
-                     "there, so nothing to cancel) at every seed; ρ is then held as 0")
+                     "there, so nothing to cancel) at every seed; null in the baseline, never 0")
     lines += [f"FAIL {r.key}: " + "; ".join(r.problems) for r in results if r.problems]
     return "\n".join(lines)
 
@@ -401,7 +416,8 @@ def check_scenarios(scenarios: list[Scenario], base: dict, update: Path | None =
     results, now = run(scenarios)
     check_invariants(results, scenarios, tol)
     msgs, notes = ([], []) if update else cb.compare(results, base, now, tol)
-    if residual and max(max(r.rho_prefix) for r in results) < tol["positive"]:
+    if residual and max((x for r in results for x in _defined(r.rho_prefix)),
+                        default=0.0) < tol["positive"]:
         msgs.append(f"{residual}: expected a residual somewhere, but ρ < {tol['positive']:g} in "
                     "every scenario")
     print(render(results, scenarios))

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from . import jsonio
+
 # the working precision per source: synthetic batches are float64, the model's W float32
 EPS = {"synthetic": float(torch.finfo(torch.float64).eps),
        "model": float(torch.finfo(torch.float32).eps)}
@@ -191,15 +193,30 @@ def exact_tol(src: str, tol: dict) -> float:
     return tol.get("exact_ulps", EXACT_ULPS) * EPS[src]
 
 
-def _rho_changes(new: list[float], old: list[float], atol: float, name: str) -> list[str]:
+def _undefined(x: float | None) -> bool:
+    """ρ undefined: null in a baseline file (None), NaN in a run."""
+    return x is None or x != x
+
+
+def _rho_text(x: float | None) -> str:
+    return "undefined" if _undefined(x) else f"{x:.6g}"
+
+
+def _rho_changes(new: list[float], old: list[float | None], atol: float,
+                 name: str) -> list[str]:
+    """`name [seed s] old → new` for each seed whose ρ moved by more than atol, or turned from
+    undefined to defined or back (both undefined: the same)."""
     seeds = len(new) > 1
-    return [f"{name}{f' [seed {s}]' if seeds else ''} {o:.6g} → {n:.6g}"
-            for s, (n, o) in enumerate(zip(new, old)) if not abs(n - o) <= atol]
+    return [f"{name}{f' [seed {s}]' if seeds else ''} {_rho_text(o)} → {_rho_text(n)}"
+            for s, (n, o) in enumerate(zip(new, old))
+            if _undefined(n) != _undefined(o) or not (_undefined(n) or abs(n - o) <= atol)]
 
 
 def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
     """ρ and W of result `r` against its baseline entry `b`: problems appended to r.problems
-    (every changed number named), r.delta set; returns the signed Δρ (for the mean drift)."""
+    (every changed number named; a ρ that turned from undefined to defined, or back, is a
+    change), r.delta set (max |Δρ| over the seeds where both are defined); returns the signed
+    Δρ of those seeds (for the mean drift)."""
     if any(not math.isfinite(w["sum_abs"]) for w in r.W):
         return []  # a non-finite W: named by the invariants, nothing to compare
     atol = exact_tol(src, tol) if exact else tol[src]["max_abs"]
@@ -207,12 +224,15 @@ def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
     if len(new) != len(old):
         r.problems.append("baseline has a different number of seeds")
         return []
-    d = [x - y for x, y in zip(new, old)]
-    r.delta = max(abs(x) for x in d)
-    if not r.delta <= atol:
+    d = [x - y for x, y in zip(new, old) if not (_undefined(x) or _undefined(y))]
+    r.delta = max((abs(x) for x in d), default=0.0)
+    flips = sum(_undefined(x) != _undefined(y) for x, y in zip(new, old))
+    if flips or not r.delta <= atol:
         ch = (_rho_changes(r.rho_prefix, b["rho_prefix"], atol, "ρ prefix")
               + _rho_changes(r.rho_trie, b["rho_trie"], atol, "ρ trie"))
-        r.problems.append(f"|Δρ| {r.delta:.3g} > {atol:.2g} vs baseline ({listed(ch)})")
+        what = (f"|Δρ| {r.delta:.3g} > {atol:.2g}" if not r.delta <= atol else
+                f"ρ undefined ↔ defined on {flips} value(s)")
+        r.problems.append(f"{what} vs baseline ({listed(ch)})")
     if "W" not in b:
         r.note = "baseline has no W record: ρ only; --update records W"
     else:
@@ -301,8 +321,24 @@ def baseline_dict(results: list, now: dict, tol: dict, model_setup: dict, seeds)
             "code_hash": now["code_hash"], "commit": git_state()["commit"], "tolerance": tol,
             "rollout": now["rollout"], "model_setup": {**model_setup, "training": now["training"]},
             "seeds": list(seeds),
-            "scenarios": {r.key: {"rho_prefix": r.rho_prefix, "rho_trie": r.rho_trie, "W": r.W}
-                          for r in results}}
+            "scenarios": {r.key: _scenario(r) for r in results}}
+
+
+def _scenario(r) -> dict:
+    """One scenario's baseline entry: ρ per seed (null where undefined, the reasons per seed
+    under "undefined", gradlab.jsonio's convention) and the W record per seed."""
+    out = {"rho_prefix": r.rho_prefix, "rho_trie": r.rho_trie, "W": r.W}
+    why = {}
+    for m, ws in getattr(r, "undefined", {}).items():
+        seeds: dict[str, list[str]] = {}
+        for s, w in enumerate(ws):
+            if w:
+                seeds.setdefault(w, []).append(str(s))
+        if seeds:
+            why[m] = "; ".join(w if len(ws) == 1 else
+                               f"{w} at seed{'s' * (len(s) > 1)} {', '.join(s)}"
+                               for w, s in seeds.items())
+    return {**out, "undefined": why} if why else out
 
 
 def write_baseline(path: Path, base: dict, results: list, now: dict, tol: dict, partial: bool,
@@ -333,9 +369,10 @@ def refuse_mixed_update(partial_update: bool, base: dict, fp: dict) -> None:
 
 
 def dumps(d: dict) -> str:
-    """JSON with one line per scenario (readable diffs in review)."""
+    """Strict JSON (`gradlab.jsonio`: an undefined ρ is null) with one line per scenario
+    (readable diffs in review)."""
     d = dict(d)
     scen = d.pop("scenarios")
-    body = json.dumps(d, indent=1)[:-2]
-    rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in scen.items())
+    body = jsonio.dumps(d, indent=1)[:-2]
+    rows = ",\n".join(f"  {json.dumps(k)}: {jsonio.dumps(v)}" for k, v in scen.items())
     return body + ',\n "scenarios": {\n' + rows + "\n }\n}\n"

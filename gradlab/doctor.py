@@ -63,9 +63,10 @@ class Reading:
 
     @property
     def closed_gap(self) -> float:
-        """max |W_hook − W_closed| / max |W| (0 for an all-zero W)."""
-        scale = float(self.W.abs().max())
-        return float((self.W - self.closed).abs().max()) / scale if scale > 0 else 0.0
+        """max |W_hook − W_closed| / max |W|: 0 where the two agree exactly (an all-zero W
+        included), inf where W ≡ 0 but the closed form is not."""
+        scale, gap = float(self.W.abs().max()), float((self.W - self.closed).abs().max())
+        return gap / scale if scale > 0 else 0.0 if gap == 0 else math.inf
 
 
 @dataclass

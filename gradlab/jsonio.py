@@ -8,10 +8,13 @@ strict parsers (browsers, `jq`, most languages) reject, and writing 0 instead wo
 - the object holding it gets an `"undefined"` entry mapping that key to the reason, e.g.
   `{"rho_prefix": null, "undefined": {"rho_prefix": "no full-group token"}}`. The reason is the
   caller's where it knows one (`reasons=`), else "not a number" / "infinite";
-- a non-finite float inside a list is `null` (a list has no keys to give a reason by).
+- a non-finite float inside a list is `null`; the object holding the list gives the reason
+  under the list's key where the caller knows one (e.g. `{"rho": [0.1, null], "undefined":
+  {"rho": "no shared token (seed 1)"}}`), a list alone has no keys to give a reason by.
 
-`loads` reads such a file back with `null` as NaN where it stood for an undefined value, and
-`undefined_reasons` returns the reasons of one object.
+`loads` reads such a file back with `null` as NaN where it stood for an undefined value (a
+value, or an element of a list, whose key the `"undefined"` entry names; any other `null`
+stays None), and `undefined_reasons` returns the reasons of one object.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def strict(obj: Any, reasons: Mapping[str, str] | None = None) -> Any:
                 out[k] = None
             else:
                 out[k] = strict(v)
+                if (reasons or {}).get(str(k)) and isinstance(v, (list, tuple)) and any(
+                        isinstance(x, float) and not math.isfinite(x) for x in v):
+                    why[str(k)] = reasons[str(k)]
         if why:
             out[UNDEFINED] = dict(sorted(why.items()))
         return out
@@ -77,7 +83,9 @@ def dumps(obj: Any, *, reasons: Mapping[str, str] | None = None, **kw: Any) -> s
 def _nan_back(obj: Any) -> Any:
     if isinstance(obj, dict):
         why = obj.get(UNDEFINED) if isinstance(obj.get(UNDEFINED), dict) else {}
-        return {k: (math.nan if (v is None and k in why) else _nan_back(v))
+        return {k: (math.nan if (v is None and k in why) else
+                    [math.nan if x is None else _nan_back(x) for x in v]
+                    if isinstance(v, list) and k in why else _nan_back(v))
                 for k, v in obj.items()}
     if isinstance(obj, list):
         return [_nan_back(v) for v in obj]

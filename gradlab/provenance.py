@@ -29,6 +29,8 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from . import jsonio
+
 PACKAGE = Path(__file__).resolve().parent
 FILE = "provenance.json"
 
@@ -180,7 +182,7 @@ def write_in_process(path: str | Path, command: str, seconds: float) -> dict:
     prov = current()
     doc = {"command": command, "seconds": round(seconds, 1), "provenance": prov,
            "runs": [in_process_row(prov)]}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    Path(path).write_text(jsonio.dumps(doc, indent=1) + "\n")
     return doc
 
 
@@ -191,7 +193,7 @@ def record(run: str | Path, start_step: int) -> dict:
     seg = {"start_step": int(start_step), **current(), "user_files": user_files(_config(run))}
     old = read(run) or {"segments": []}
     old["segments"] = [s for s in old["segments"] if s.get("start_step", 0) < start_step] + [seg]
-    write_file(Path(run) / FILE, json.dumps(old, indent=1) + "\n")
+    write_file(Path(run) / FILE, jsonio.dumps(old, indent=1) + "\n")
     return seg
 
 

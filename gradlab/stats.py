@@ -19,6 +19,7 @@ The simulation tests in tests/test_stats.py hold the coverage of these intervals
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -72,8 +73,8 @@ def paired_bootstrap(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int 
 
     Low-level: published comparisons use `paired_interval` (a t interval); a percentile
     bootstrap covers a 95 % interval only ≈ 83 % of the time at n = 5. a, b (S,): one value per
-    seed in the same seed order. Returns {"n", "mean", "lo", "hi", "sd"} (sd: ddof=1; 0 with
-    one seed). Fixed `seed`: reproducible.
+    seed in the same seed order. Returns {"n", "mean", "lo", "hi", "sd"} (sd: ddof=1; NaN,
+    undefined, with one seed). Fixed `seed`: reproducible.
     """
     d = _paired(a, b)
     if d.size == 0:
@@ -83,7 +84,7 @@ def paired_bootstrap(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int 
     q = (1 - level) / 2
     return {"n": int(d.size), "mean": float(d.mean()), "lo": float(np.quantile(means, q)),
             "hi": float(np.quantile(means, 1 - q)),
-            "sd": float(d.std(ddof=1)) if d.size > 1 else 0.0}
+            "sd": float(d.std(ddof=1)) if d.size > 1 else math.nan}
 
 
 @lru_cache(maxsize=16)
@@ -147,13 +148,14 @@ def paired_interval(a, b, level: float = 0.95, method: str = "t", n_boot: int = 
 
 def mean_interval(x, level: float = 0.95) -> dict:
     """One-sample t interval of the mean of x (n ≥ 2; NaNs are an error). Returns {"mean",
-    "lo", "hi", "n", "sd"}; with n = 1 the interval is the value itself (sd 0, said by n)."""
+    "lo", "hi", "n", "sd"}; with n = 1 the interval is the value itself (sd NaN: a spread of
+    one value is undefined; said by n)."""
     x = np.asarray(x, dtype=float)
     if x.ndim != 1 or x.size == 0 or not np.isfinite(x).all():
         raise ValueError(f"mean_interval: need a 1-D array of finite values, got {x!r}")
     n, mean = int(x.size), float(x.mean())
     if n == 1:
-        return {"mean": mean, "lo": mean, "hi": mean, "n": 1, "sd": 0.0}
+        return {"mean": mean, "lo": mean, "hi": mean, "n": 1, "sd": math.nan}
     sd = float(x.std(ddof=1))
     half = float(student_t.ppf(1 - (1 - level) / 2, n - 1)) * sd / np.sqrt(n)
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n, "sd": sd}

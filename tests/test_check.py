@@ -116,7 +116,7 @@ def test_baseline_max_and_mean_drift(tmp_path, capsys):
     assert "|Δρ|" in capsys.readouterr().out
     shift = json.loads(json.dumps(base))  # below max_abs everywhere, but all in one direction
     for v in shift["scenarios"].values():
-        v["rho_prefix"] = [x + 5e-7 for x in v["rho_prefix"]]
+        v["rho_prefix"] = [x if x is None else x + 5e-7 for x in v["rho_prefix"]]  # None: undefined
     p.write_text(json.dumps(shift))
     assert check.main(["--baseline", str(p), "--only", "synthetic/"]) == 1
     assert "mean-drift tolerance" in capsys.readouterr().out

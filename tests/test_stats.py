@@ -148,7 +148,10 @@ def test_mean_interval_and_detectable():
     r = mean_interval(x)
     half = sps.t.ppf(0.975, 3) * x.std(ddof=1) / 2
     assert (r["lo"], r["hi"]) == pytest.approx((x.mean() - half, x.mean() + half))
-    assert mean_interval([0.4]) == {"mean": 0.4, "lo": 0.4, "hi": 0.4, "n": 1, "sd": 0.0}
+    one = mean_interval([0.4])  # the spread of one value is undefined: NaN, not 0
+    assert {k: v for k, v in one.items() if k != "sd"} == {"mean": 0.4, "lo": 0.4, "hi": 0.4,
+                                                          "n": 1}
+    assert np.isnan(one["sd"]) and np.isnan(paired_bootstrap([0.5], [0.25])["sd"])
     assert detectable(4.0, 10) == pytest.approx(sps.t.ppf(0.975, 9) * 4 / np.sqrt(10))
     assert 2 * detectable(1.0, seeds_needed(1.0, 1.0)) < 1.0
 

@@ -14,7 +14,6 @@ time of this process per step (robust to other jobs) and its ratio to `off`, per
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import gradlab.instruments as gi
 from analyses.benchmarks.bench_probes import make_rollout
 from analyses.tools.common import in_process_run, provenance
 from analyses.tools.quoted_data import replace_table
-from gradlab import objectives
+from gradlab import jsonio, objectives
 from gradlab.loop.config import RunConfig
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.scale.dist import Dist
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     out = table(data)
     print(out)
     if a.write:
-        (ROOT / "figures" / "instrument_overhead.json").write_text(json.dumps(data, indent=1) + "\n")
+        (ROOT / "figures" / "instrument_overhead.json").write_text(jsonio.dumps(data, indent=1) + "\n")
         PAGE.write_text(replace_table(PAGE.read_text(), "instrument-overhead", out))
 
 

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradlab import jsonio
+
 RUNNERS = ("trl", "trl+cheap", "trl+all", "loop", "loop+all")
 
 
@@ -89,7 +91,7 @@ def run_loop(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]
     task, tok = WordProblemTask(fewshot="chat"), AutoTokenizer.from_pretrained(a.model)
     task_file = Path(tmp) / "word.jsonl"
     probs = TrainSplit(task).problems(a.prompts * a.steps, a.seed)
-    task_file.write_text("".join(json.dumps({
+    task_file.write_text("".join(jsonio.dumps({
         "prompt": tok.apply_chat_template(task.messages(p), tokenize=False,
                                           add_generation_prompt=True),
         "answer": p.answer}) + "\n" for p in probs))
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--_child", dest="runner", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.runner:
-        print(json.dumps(child(a)))
+        print(jsonio.dumps(child(a)))
         return {}
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there (examples/real_trl.py makes it)")
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         prov = current()  # every child process runs this checkout's code
         what = f"<{sum(map(len, res.values()))} child processes: one per runner and round>"
-        Path(a.json).write_text(json.dumps({"args": vars(a), "provenance": prov, "runs": res,
+        Path(a.json).write_text(jsonio.dumps({"args": vars(a), "provenance": prov, "runs": res,
                                             "run_provenance": [in_process_run(prov, what)],
                                             **nums}, indent=1) + "\n")
     if a.table:  # the page's <!-- table:real_trl_cost --> block (the page is made if missing)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from gradlab import jsonio
+
 VOCAB = 151_936
 
 
@@ -213,7 +215,7 @@ def probes_table(a: argparse.Namespace) -> dict:
     pc, ph = t["probes_phase_cheap"], t["probes_phase_heavy"]
     print(f"\nprobes' own code inside the step (time_probes, wall): cheap {pc:.2f} s = "
           f"{pc / t['cheap']:.1%} of its step; heavy {ph:.2f} s = {ph / t['heavy']:.1%}")
-    print(f"\nall medians (s): {json.dumps({k: round(v, 3) for k, v in t.items()})}")
+    print(f"\nall medians (s): {jsonio.dumps({k: round(v, 3) for k, v in t.items()})}")
     return t
 
 
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "_memory_child":
-        print(json.dumps(memory_child(a.n, a.tokens, a.micro_batch, a.G, a.hidden, a.layers,
+        print(jsonio.dumps(memory_child(a.n, a.tokens, a.micro_batch, a.G, a.hidden, a.layers,
                                       a.probes, a.objective)))
         return 0
     {"memory": memory_table, "sampling": sampling_table, "probes": probes_table}[a.what](a)

@@ -25,7 +25,6 @@ time, so they share the machine's load).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,6 +36,7 @@ import torch
 from transformers import TrainerCallback
 
 import gradlab.loop.train as gl_train
+from gradlab import jsonio
 from gradlab.integrations.trl import GradlabConfig
 from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.loop.config import RunConfig
@@ -206,7 +206,7 @@ def main() -> None:
     out = report(results)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": machine(), "args": vars(a),
+        Path(a.json).write_text(jsonio.dumps({"machine": machine(), "args": vars(a),
                                             "runs": results, **out}, indent=1))
 
 

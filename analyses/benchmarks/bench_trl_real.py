@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradlab import jsonio
+
 RUNNERS = ("gradlab", "gradlab+probes", "trl", "trl+gradlab")
 
 
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.runner:
-        print(json.dumps(child(a)))
+        print(jsonio.dumps(child(a)))
         return {}
     from analyses.studies.real_vocab_run import build_folder
 
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  round {r} {name}: {res[name][-1]}", file=sys.stderr, flush=True)
     med = report(res, a, info)
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "model": info, "runs": res,
+        Path(a.json).write_text(jsonio.dumps({"args": vars(a), "model": info, "runs": res,
                                             "medians": med}, indent=1))
     return med
 

@@ -13,12 +13,13 @@ real Qwen folder has too (151,669 tokenizer ids vs 151,936 rows).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from gradlab import jsonio
 
 # Qwen/Qwen3-0.6B's config.json (architecture fields only)
 QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
@@ -69,7 +70,7 @@ def run(model_dir: str, out: str, extra: list[str]) -> dict:
         "probe_overhead": (upd + prb) / upd if upd > 0 else float("nan"),
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
-    print(json.dumps(summary, indent=1))
+    print(jsonio.dumps(summary, indent=1))
     return summary
 
 

@@ -59,6 +59,7 @@ from analyses.tools.common import (
     stamp,
     write_meta,
 )
+from gradlab import jsonio
 from gradlab.stats import paired_interval
 
 # objective (as in the store) → row label; the first four come from the Figure 3 tandem
@@ -297,7 +298,7 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
     (out / "ablations.md").write_text("\n".join(md) + "\n")
     meta.update(provenance=prov, runs_made_by=made, heldout_source=src,
                 run_provenance=meta.get("run_provenance"))
-    (out / "ablations.json").write_text(json.dumps(meta, indent=1, default=str))
+    (out / "ablations.json").write_text(jsonio.dumps(meta, indent=1, default=str))
     print("\n".join(md))
     return 0
 

@@ -56,6 +56,7 @@ from analyses.tools.common import (
     stamp,
     write_meta,
 )
+from gradlab import jsonio
 from gradlab import viz as plots
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo", "grpo"]
@@ -231,7 +232,7 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
     (out / "figure3.md").write_text("\n".join(md) + "\n")
     meta.update(table=table.to_dict("records"), runs_made_by=made, primary=PRIMARY,
                 provenance=provenance("analyses.figures.figure3", argv))
-    (out / "figure3.json").write_text(json.dumps(meta, indent=1, default=str))
+    (out / "figure3.json").write_text(jsonio.dumps(meta, indent=1, default=str))
     print("\n".join(md))
     return 0
 

@@ -52,6 +52,7 @@ from analyses.tools.common import (
     set_threads,
     stamp,
 )
+from gradlab import jsonio
 from gradlab.stats import paired_interval, seeds_needed
 
 TWINS = ("dfpo-min", "dfpo-orth")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"provenance": prov, "size": size, "seeds": n_seeds, "eval_n": eval_n,
             "parted_at": parted, "seconds": round(seconds), "summary": summary,
             "reuse_any_code": a.reuse_any_code, "run_provenance": ledger}
-    (out / "noise_floor.json").write_text(json.dumps(meta, indent=1))
+    (out / "noise_floor.json").write_text(jsonio.dumps(meta, indent=1))
     print(md)
     return 0
 
@@ -230,7 +231,7 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
     (out / "noise_floor.md").write_text(md + "\n")
     meta.update(provenance=prov, runs_made_by=made, parted_at=parted, summary=summary,
                 run_provenance=meta.get("run_provenance"))
-    (out / "noise_floor.json").write_text(json.dumps(meta, indent=1))
+    (out / "noise_floor.json").write_text(jsonio.dumps(meta, indent=1))
     print(md)
     return 0
 

@@ -22,7 +22,6 @@ Runs short tandems from the shipped start (one per learning rate) and writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from analyses.tools.common import FIGURES, in_process_run, provenance, set_threads
+from gradlab import jsonio
 from gradlab import viz as plots
 from gradlab.loop.config import RunConfig
 from gradlab.loop.recipes.prop31 import prop31_tandem
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             "configs": [{"label": c, "objectives": o, "lr": lr, "rollout_steps": s}
                         for c, o, lr, s in configs],
             "node_records": len(nodes), "seconds": round(time.time() - t0), "fits": table}
-    (out / "prop31.json").write_text(json.dumps(meta, indent=1))
+    (out / "prop31.json").write_text(jsonio.dumps(meta, indent=1))
     plots.save(plots.prop31_figure(steps.assign(objective=steps["label"])), out / "prop31.png")
     cols = ["config", "objective", "steps", "step_slope", "step_ratio_median", "step_ratio_q05",
             "step_ratio_q95", "node_slope", "median_tax_share", "median_res_over_kl",

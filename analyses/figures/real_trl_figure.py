@@ -14,7 +14,6 @@ blocks of steps, with no interval (steps of one run are not independent samples)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from analyses.tools.quoted_data import replace_table  # noqa: E402
+from gradlab import jsonio
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "figures"
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python examples/real_trl.py --objectives OBJ --steps 60 --G 8 "
                        "--prompts 2 --spg 2 --max-completion-length 128 --eval-every 10 "
                        "--eval-size 32 --tax-every 1 --save-every 5 --fewshot chat"}
-    (out / "real_trl.json").write_text(json.dumps(_clean(meta), indent=1, allow_nan=False) + "\n")
+    (out / "real_trl.json").write_text(jsonio.dumps(_clean(meta), indent=1) + "\n")
     figure(w, out / "real_trl.png")
     page = out / "real_trl.md"
     if page.is_file():

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from analyses.tools.common import FIGURES, ROOT, provenance, stamp
+from gradlab import jsonio
 
 SIZE = ["--steps", "8", "--threads", "1", "--no-progress"]
 # name → (what, file under gradlab/, text, replacement)
@@ -197,7 +198,7 @@ def study(tmp: Path, names: list[str], threads2: int, keep: Path) -> dict:
         results[name] = {"reproduce_check": a, "gradlab_check": b}
         print(f"{name}: reproduce --check exit {a['rc']} ({a['seconds']} s), gradlab check "
               f"exit {b['rc']} ({b['seconds']} s)", flush=True)
-        keep.write_text(json.dumps(results, indent=1))  # a later failure keeps what ran
+        keep.write_text(jsonio.dumps(results, indent=1))  # a later failure keeps what ran
     if threads2:
         a = run(base, work, ["reproduce", "--check", "ref.json", "--seeds", str(threads2),
                              "--threads", "2", "--out", "runs/unmodified-t2"])
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         md, record = shipped(a.shipped + [r for r in labels if r not in a.shipped], labels)
         md += f"\n\n{stamp(prov)}."
         (Path(a.out) / "regression_power_shipped.md").write_text(md + "\n")
-        (Path(a.out) / "regression_power_shipped.json").write_text(json.dumps(
+        (Path(a.out) / "regression_power_shipped.json").write_text(jsonio.dumps(
             {"provenance": prov, "runs": record}, indent=1, default=str))
         print(md)
         return 0
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(results, prov, seconds)
     out = Path(a.out)
     (out / "regression_power.md").write_text(md + "\n")
-    (out / "regression_power.json").write_text(json.dumps(
+    (out / "regression_power.json").write_text(jsonio.dumps(
         {"provenance": prov, "seconds": round(seconds), "size": SIZE,
          "changes": {k: {"what": v[0], "file": f"gradlab/{v[1]}", "text": v[2],
                          "replacement": v[3]} for k, v in CHANGES.items()},

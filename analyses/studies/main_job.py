@@ -18,7 +18,6 @@ with `gradlab.loop.recipes.reproduce.summarize`, and writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from analyses.tools.common import FIGURES, QUICK, ROOT, provenance, run_seeds, set_threads, stamp
+from gradlab import jsonio
 from gradlab.loop.recipes.reference import REFERENCE, make_reference
 from gradlab.loop.recipes.reproduce import summarize
 from gradlab.loop.runs.store import load_run
@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                          {**machine(), "code_hash": prov["code_hash"], "commit": prov["commit"]})
     out.mkdir(parents=True, exist_ok=True)
     ref_path.parent.mkdir(parents=True, exist_ok=True)
-    ref_path.write_text(json.dumps(ref, indent=1) + "\n")
+    ref_path.write_text(jsonio.dumps(ref, indent=1) + "\n")
     long = pd.concat([s.assign(seed=k) for k, s in per_seed.items()]).melt(
         id_vars=["seed", "objective"], var_name="metric")
     long.to_csv(out / "main_job.csv", index=False)
     md = markdown(per_seed, prov, seconds)
     (out / "main_job.md").write_text(md + "\n")
-    (out / "main_job.json").write_text(json.dumps(
+    (out / "main_job.json").write_text(jsonio.dumps(
         {"provenance": prov, "seeds": n, "seconds": round(seconds), "runs": ledger,
          "reference": str(ref_path)}, indent=1, default=str))
     print(md)

@@ -47,6 +47,7 @@ from analyses.tools.common import (
     set_threads,
     stamp,
 )
+from gradlab import jsonio
 from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_draw, sampled_accuracy
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo"]
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "noise_budget.md").write_text(md + "\n")
     long.to_csv(out / "noise_budget.csv", index=False)
-    (out / "noise_budget.json").write_text(json.dumps(
+    (out / "noise_budget.json").write_text(jsonio.dumps(
         {"provenance": prov, "runs": ledger, "seeds": n_seeds, "seconds": round(seconds),
          "table": table.to_dict("records"), "power": pw.to_dict("records")}, indent=1,
         default=str))
@@ -200,7 +201,7 @@ def remake(csv: Path, out: Path, argv: list[str] | None) -> int:
         long.to_csv(out / "noise_budget.csv", index=False)
     meta.update(provenance=prov, runs_made_by=made, table=table.to_dict("records"),
                 power=pw.to_dict("records"))
-    (out / "noise_budget.json").write_text(json.dumps(meta, indent=1, default=str))
+    (out / "noise_budget.json").write_text(jsonio.dumps(meta, indent=1, default=str))
     print(md)
     return 0
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradlab import jsonio
+
 ROOT = Path(__file__).resolve().parents[2]
 
 VOCAB = 151_936  # Qwen3's embedding rows
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         if res["rc"] == 0:
             res["phases_s"] = {k: round(v, 1) for k, v in phase_times(Path(tmp) / "run").items()}
     res["model"] = info
-    print(json.dumps(res, indent=1))
+    print(jsonio.dumps(res, indent=1))
     return res
 
 

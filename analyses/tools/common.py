@@ -16,8 +16,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from gradlab import jsonio
 from gradlab.loop.config import RunConfig
-from gradlab.loop.runs.store import load_run
+from gradlab.loop.runs.store import REASON, load_run
 from gradlab.provenance import in_process_row as in_process_run  # noqa: F401  (the one row builder)
 from gradlab.viz.seeds import align_tokens  # noqa: F401  (figure3 imports it from here)
 
@@ -124,8 +125,10 @@ def _final_step(run: Path, names: list[str]) -> int | None:
 
 
 def load_seeds(root: str | Path) -> pd.DataFrame:
-    """The tidy table of every run folder under root (one per seed), `time_*` metrics dropped."""
-    tidy = load_run(root)
+    """The tidy table of every run folder under root (one per seed), `time_*` metrics dropped;
+    the figures' columns (run, objective, seed, step, tokens, metric, value: an undefined value
+    is NaN, the reasons stay with `load_run`)."""
+    tidy = load_run(root).drop(columns=[REASON])
     return tidy[~tidy["metric"].str.startswith("time_")].reset_index(drop=True)
 
 
@@ -285,9 +288,7 @@ def paired_table(wide: pd.DataFrame, labels: dict, base: str = "gspo") -> pd.Dat
 
 def write_meta(path: Path, prov: dict, **extra) -> dict:
     """A JSON file beside a figure's data: provenance (commit, threads, command; take it with
-    `provenance` when the script starts) and extra."""
-    import json
-
+    `provenance` when the script starts) and extra. Strict JSON (`gradlab.jsonio`)."""
     meta = {"provenance": prov, **extra}
-    path.write_text(json.dumps(meta, indent=1, default=str))
+    path.write_text(jsonio.dumps(meta, indent=1, default=str))
     return meta

@@ -28,6 +28,8 @@ import json
 import sys
 from pathlib import Path
 
+from gradlab import jsonio
+
 ALLOWED_CONFIG = {"out"}  # where the run was written
 
 
@@ -102,7 +104,7 @@ def record(figure: Path, entry: dict) -> None:
     keep = [p for p in meta.get("same_runs", []) if (p.get("code_hash"), p.get("against_code_hash"),
             p.get("run")) != (entry["code_hash"], entry["against_code_hash"], entry["run"])]
     meta["same_runs"] = keep + [entry]
-    figure.write_text(json.dumps(meta, indent=1) + "\n")
+    figure.write_text(jsonio.dumps(meta, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

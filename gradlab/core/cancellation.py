@@ -13,7 +13,6 @@ Takes any W — closed form or hook-measured — and assumes nothing about the o
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import pandas as pd
@@ -62,7 +61,8 @@ def node_coefficients(W: Tensor, batch: TokenBatch, sn: SharedNodes) -> NodeCoef
 @dataclass
 class Cancellation:
     """ρ (`ratio`), Σ|d| (`residual`), Σ|W| at nodes (`mass`), the share of response tokens
-    that sit at a node (`shared_fraction`), node count, and `.nodes`, one DataFrame row per node.
+    that sit at a node (`shared_fraction`: NaN without a response token), node count, and
+    `.nodes`, one DataFrame row per node.
 
     `ratio` is NaN where ρ is undefined: no node of the kind, or W ≡ 0 at its nodes (every
     group tied), so its denominator Σ (Σ|W| + |c*|) is 0. 0 means measured and cancelled.
@@ -106,8 +106,8 @@ def cancellation(
     k = node_coefficients(W, batch, sn)
     residual, mass, scale = k.d.abs().sum(), k.mass.sum(), k.scale.sum()
     ratio = torch.where(scale > 0, residual / torch.where(scale > 0, scale, 1), torch.nan)
-    n_tok = batch.mask.sum().clamp(min=1)
-    frac = (sn.node >= 0).sum() / n_tok
+    n_tok = batch.mask.sum()  # no response token: the shared fraction is undefined (NaN)
+    frac = torch.where(n_tok > 0, (sn.node >= 0).sum() / n_tok.clamp(min=1), torch.nan)
     r, res, m, f = torch.stack([ratio, residual, mass, frac.to(ratio.dtype)]).tolist()  # one sync
     r = r if math.isnan(r) else min(max(r, 0.0), 1.0)  # clamp round-off; undefined stays NaN
     return Cancellation(r, res, m, f, sn.n, sn.kind, k)
@@ -117,14 +117,16 @@ def attribution(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str
     """Share of the residual Σ|d| that each mechanism accounts for (docs/concepts/shared-nodes.md#attribution).
 
     For each of "coupling", "length", "clip": recompute the closed-form W with that mechanism
-    switched off and report (res − res_off) / res (0 when res = 0; can be negative when
-    switching a mechanism off increases the residual). Group splitting is a property of the
-    batch, not of the objective: it is measured by the loop (share of split groups).
+    switched off and report (res − res_off) / res (NaN when res = 0: there is no residual to
+    attribute, so each share is undefined, not 0; can be negative when switching a mechanism
+    off increases the residual). "residual" is Σ|d| itself (a number, 0 included). Group
+    splitting is a property of the batch, not of the objective: it is measured by the loop
+    (share of split groups).
     """
 
     s = attribution_sums(objective, batch, nodes)
     res = s["residual"]
-    return {"residual": res, **{m: s[m] / res if res > 0 else 0.0 for m in MECHANISMS}}
+    return {"residual": res, **{m: s[m] / res if res > 0 else math.nan for m in MECHANISMS}}
 
 
 def attribution_sums(objective, batch: TokenBatch, nodes: str = "prefix") -> dict[str, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .. import jsonio
 from .base import Instrument
 
 NAME = "instruments.json"
@@ -21,7 +22,7 @@ def write_manifest(run: str | Path, instruments: list[Instrument]) -> Path:
              "phase": i.phase, "cost": i.cost, "curves": [list(c) for c in i.curves]}
             for i in instruments]
     path = Path(run) / NAME
-    write_file(path, json.dumps(rows, indent=1) + "\n")
+    write_file(path, jsonio.dumps(rows, indent=1) + "\n")
     return path
 
 

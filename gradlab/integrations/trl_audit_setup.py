@@ -147,7 +147,7 @@ def closed_form(loss_type: str, level: str, args):
 
 def pool_windows(windows: list, objective=None) -> dict[str, float]:
     """ρ's pooled over windows (Σ|d| / Σ|W|), split share, closed-form ρ and attribution."""
-    from ..core.cancellation import attribution, cancellation
+    from ..core.cancellation import attribution_sums, cancellation
     from ..core.nodes import shared_nodes
     from .trl import split_share, stepwise_residual
 
@@ -167,12 +167,12 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
             cf = cancellation(objective.modulation(w.batch), w.batch, sn=sn)
             acc["res_cf"] += cf.residual
             acc["mass_cf"] += cf.mass
-            att = attribution(objective, w.batch, "prefix")
+            att = attribution_sums(objective, w.batch, "prefix")  # res − res_off: they add
             for k in shares:
-                shares[k] += att[k] * att["residual"]
+                shares[k] += att[k]
     r = lambda a, b: acc[a] / acc[b] if acc[b] > 0 else math.nan  # Σ|W| = 0: undefined
     out = {"rho": r("res", "mass"), "rho_trie": r("res_trie", "mass_trie"),
-           "rho_step": r("res_step", "mass"), "split": sum(split) / max(len(split), 1)}
+           "rho_step": r("res_step", "mass"), "split": sum(split) / len(split) if split else math.nan}
     # Share of the per-step residual that splitting adds; undefined (NaN, printed "—") when the
     # per-step residual is nothing but round-off (≤ 1e-6 of the mass): nothing to attribute.
     real = acc["res_step"] > 1e-6 * acc["mass"]

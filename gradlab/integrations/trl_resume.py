@@ -13,6 +13,7 @@ import json
 import logging
 import os
 
+from .. import jsonio
 from ..loop.runs.lock import RunInUseError
 from ..loop.runs.store import RunStore
 
@@ -45,7 +46,7 @@ class ResumeMixin:
                  "windows": self._gl_win0 + -(-self._step // spg)}  # windows begun so far
         rank = self.accelerator.process_index  # every process writes its own (same) counters
         with open(os.path.join(d, f"gradlab_state.{rank}.json"), "w") as f:
-            json.dump(state, f)
+            f.write(jsonio.dumps(state))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Continue the store's step (window index) and tokens where the checkpoint left them,

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .. import jsonio
 from .faults.errors import ConfigError
 
 DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth")
@@ -123,7 +124,7 @@ def check_types(data: dict, source: str) -> None:
         if f.name in data and not _has_type(data[f.name], hints[f.name]):
             v = data[f.name]
             kind = _JSON_KIND.get(type(v), type(v).__name__)
-            raise ConfigError(f"{source}: option {f.name!r} is {json.dumps(v)}"
+            raise ConfigError(f"{source}: option {f.name!r} is {jsonio.dumps(v)}"
                               + (f" ({kind})" if v is not None else "") + "; expected "
                               f"{_type_name(hints[f.name])}; correct the file or start a new "
                               "run in another --out")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import math
 from pathlib import Path
 
 import pandas as pd
 
+from .. import jsonio
 from ..instruments.manifest import manifest_curves
 from ..loop.faults.atomic import write_file
 from .curves import CURVES, plt, training_curves
@@ -89,7 +89,7 @@ def summary_html(tidy: pd.DataFrame) -> str:
 
 def render(title: str, svg: str, payload: dict, summary: str = "") -> str:
     """The page: title, summary table, curves, navigation, strips and hover details, all inline."""
-    data = json.dumps(payload, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
+    data = jsonio.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
     return PAGE.format(title=html.escape(title), svg=svg, data=data, script=SCRIPT, style=STYLE,
                        summary=summary)
 

@@ -1,16 +1,18 @@
 """Why a stored ratio is NaN: the reason a table prints beside its "—"
 (docs/concepts/shared-nodes.md#undefined-is-nan-not-0).
 
-The store holds NaN for a ratio whose denominator is 0 (`gradlab.loop.update.metrics._ratios`)
-and nothing for one that was not measured; both read back as NaN. The sums and counts a ratio
-is made of stay in the record, so the reason is recomputed here from them, per step:
+The store holds null for a ratio whose denominator is 0, with the reason derived here (and
+nothing for one that was not measured); both read back as NaN, the reason in `load_run`'s
+`undefined` column. The sums and counts a ratio is made of stay in the record, so the reason
+is recomputed here from them, per step:
 
     ρ (rho_prefix, rho_trie, rho_full)  no full-group token / no shared token  (node count 0)
                                         no gradient: every group tied          (Σ scale = 0 and
                                                                                 every group's
                                                                                 rewards equal)
                                         no gradient at shared tokens           (Σ scale = 0)
-    tax_share                           no gradient (: every group tied)       (‖g‖ = 0)
+    tax_share, tax_cos                  no gradient (: every group tied)       (‖g‖ = 0)
+    tax_cos                             no tax gradient                        (‖g_tax‖ = 0)
     anything                            non-finite W                           (a NaN sum)
                                         not measured                           (no value stored)
 
@@ -30,6 +32,7 @@ TIED = "no gradient: every group tied"
 NO_GRAD_SHARED = "no gradient at shared tokens"
 NO_GRAD = "no gradient"
 NON_FINITE = "non-finite W"
+NO_TAX = "no tax gradient (g_tax = 0)"
 NO_NODE = {"prefix": "no full-group token", "full": "no full-group token",
            "trie": "no shared token"}
 
@@ -63,10 +66,12 @@ def step_reason(row: pd.Series, metric: str) -> str | None:
         return None
     if metric.startswith("rho_"):  # rho_prefix, rho_prefix_step, rho_prefix_base: same nodes
         return _rho_reason(row, metric[len("rho_"):].split("_")[0])
-    if metric == "tax_share" or metric.startswith("tax_share/"):
+    if metric in ("tax_share", "tax_cos") or metric.startswith("tax_share/"):
         g = _get(row, "total_norm")
         if g == 0:
             return TIED if _get(row, "zero_std_share") == 1 else NO_GRAD
+        if metric == "tax_cos" and _get(row, "tax_norm") == 0:
+            return NO_TAX
     return NOT_MEASURED
 
 

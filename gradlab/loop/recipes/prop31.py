@@ -22,6 +22,7 @@ update rebuilt from the optimizer state equals θ+ − θ.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -47,6 +48,11 @@ def _norm(d: dict[str, torch.Tensor]) -> float:
 
 def _dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return float(sum((a[n].double() * b[n].double()).sum() for n in a))
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; NaN (undefined, not 0) where b = 0, e.g. no update (every group tied)."""
+    return a / b if b > 0 else math.nan
 
 
 def _gradients(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch.Tensor):
@@ -94,10 +100,10 @@ def measured_step(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch
     diff = {n: seen[n] - gc[n] for n in params}
     step_info = dict(
         tax_share=share, clip=c, grad_norm=_norm(g), delta_norm=_norm(delta),
-        grad_match=_norm(diff) / max(_norm(seen), 1e-30),
-        adam_match=_norm({n: parts["adam"][n] - delta[n] for n in params}) / max(_norm(delta), 1e-30),
-        cos_delta_grad=-_dot(delta, g) / max(_norm(delta) * _norm(g), 1e-30),
-        res_frac=_norm(parts["res"]) / max(_norm(delta), 1e-30), n_nodes=sn.n)
+        grad_match=_ratio(_norm(diff), _norm(seen)),
+        adam_match=_ratio(_norm({n: parts["adam"][n] - delta[n] for n in params}), _norm(delta)),
+        cos_delta_grad=_ratio(-_dot(delta, g), _norm(delta) * _norm(g)),
+        res_frac=_ratio(_norm(parts["res"]), _norm(delta)), n_nodes=sn.n)
     if sn.n == 0:
         return []
     reps = torch.unique(sn.rep)

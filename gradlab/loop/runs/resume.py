@@ -25,6 +25,7 @@ import shlex
 from dataclasses import fields
 from pathlib import Path
 
+from ... import jsonio
 from ..config import ConfigError, RunConfig, check_types
 
 
@@ -43,7 +44,7 @@ def _flag(name: str) -> str:
 def config_differences(stored: dict, given: dict) -> list[str]:
     """'--opt: stored S, given G' for every RunConfig option that differs (JSON-normalised),
     except `RESUMABLE_CHANGES`; options missing from an older config.json are not compared."""
-    norm = lambda v: json.loads(json.dumps(v, sort_keys=True))  # noqa: E731  tuples → lists
+    norm = lambda v: jsonio.loads(jsonio.dumps(v, sort_keys=True))  # noqa: E731  tuples → lists
     out = []
     for k in sorted(set(stored) & set(given)):
         if k not in RESUMABLE_CHANGES and norm(stored[k]) != norm(given[k]):

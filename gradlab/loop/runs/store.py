@@ -9,9 +9,13 @@
       figures/, summary.md   written by `gradlab reproduce`
 
 `load_run(path)` returns the tidy long table every figure and notebook reads:
-columns  run, objective, seed, step, tokens, metric, value  (one row per step × objective ×
-metric). A torn last line (a crash mid-write) is skipped and logged; a corrupt line
-anywhere else is an error naming the file and line (never a silent deletion).
+columns  run, objective, seed, step, tokens, metric, value, undefined  (one row per step ×
+objective × metric). The files are strict JSON (`gradlab.jsonio`): an undefined value (a ratio
+whose denominator is 0) is `null` in its record, with its reason under the record's
+`"undefined"` key; `load_run` reads it back as NaN with that reason in the `undefined` column
+(None beside a value, and beside a metric the step did not record). A torn last line (a
+crash mid-write) is skipped and logged; a corrupt line anywhere else is an error naming the
+file and line (never a silent deletion).
 
 Durability (loop/faults/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
 are fsynced and renamed; metrics lines are appended whole (a failed append is cut back); a
@@ -28,19 +32,23 @@ import json
 import logging
 import math
 import os
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from ... import jsonio
 from ..faults.atomic import append_line, fsync_dir, fsync_file, remove, write_file, writing
 from .lock import acquire
 from .resume import CorruptFileError, check_resume_config, read_config
 
 log = logging.getLogger("gradlab")
 ID_COLUMNS = ("run", "objective", "seed", "step", "tokens")
-TIDY_COLUMNS = ID_COLUMNS + ("metric", "value")
+VALUE_COLUMNS = ("metric", "value")
+REASON = jsonio.UNDEFINED  # the tidy column holding why a value is undefined (NaN)
+TIDY_COLUMNS = ID_COLUMNS + VALUE_COLUMNS + (REASON,)
 _REPORTED: set = set()  # torn last lines already logged by this process
 
 
@@ -72,7 +80,7 @@ class RunStore:
             # resume: a differing option is refused (loop/runs/resume.py), an allowed change is recorded
             check_resume_config(self.path, read_config(stored), config)
         if config is not None and not (resume and stored.exists() and not check_config):
-            _atomic_write(stored, json.dumps(config, indent=2, sort_keys=True))
+            _atomic_write(stored, jsonio.dumps(config, indent=2, sort_keys=True))
 
     def close(self) -> None:
         """Release the folder's writer lock (training is over); reads still work."""
@@ -87,10 +95,11 @@ class RunStore:
         return read_config(self.path / "config.json")
 
     def log(self, record: dict, file: str = "metrics.jsonl") -> None:
-        """Append one record and make it durable before returning."""
+        """Append one record and make it durable before returning. A non-finite value is
+        written `null` with its reason (`_reasons`) under the record's "undefined" key."""
         if not self.write:
             return
-        append_line(self.path / file, json.dumps(_jsonable(record), sort_keys=True))
+        append_line(self.path / file, _line(record))
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps > step (written after the last checkpoint)."""
@@ -101,7 +110,7 @@ class RunStore:
             if not p.exists():
                 continue
             keep = [r for r in _read_jsonl(p) if r.get("step", -1) <= step]
-            _atomic_write(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+            _atomic_write(p, "".join(_line(r) + "\n" for r in keep))
 
     def drop_keys_at(self, step: int, keys: tuple[str, ...]) -> None:
         """Remove `keys` from the metrics records of `step` (an end-of-run evaluation that a
@@ -114,7 +123,14 @@ class RunStore:
             return
         rows = [{k: v for k, v in r.items() if r.get("step") != step or k not in keys}
                 for r in rows]
-        _atomic_write(p, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+        for r in rows:  # a dropped key's reason goes with it
+            why = r.get(REASON)
+            if isinstance(why, dict) and r.get("step") == step:
+                why = {k: v for k, v in why.items() if k not in keys}
+                r[REASON] = why
+                if not why:
+                    del r[REASON]
+        _atomic_write(p, "".join(_line(r) + "\n" for r in rows))
 
     # --- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, name: str, model, optimizer, state: dict, tensors: dict) -> None:
@@ -140,7 +156,7 @@ class RunStore:
                           tmp / "optimizer.safetensors")
             for f in ("model.safetensors", "optimizer.safetensors"):
                 fsync_file(tmp / f)
-            write_file(tmp / "state.json", json.dumps({**state, "optimizer": opt_meta}, indent=1))
+            write_file(tmp / "state.json", jsonio.dumps({**state, "optimizer": opt_meta}, indent=1))
         except BaseException:
             remove(tmp)  # free the space; the previous checkpoint is untouched
             raise
@@ -262,14 +278,59 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def _jsonable(rec: dict) -> dict:
+    """`rec` with tensors as Python values (a 1-element tensor as a number); non-finite floats
+    stay (`_line` writes them null with their reasons)."""
     out = {}
     for k, v in rec.items():
         if torch.is_tensor(v):
+            v = v.detach().cpu()
             v = v.item() if v.numel() == 1 else v.tolist()
-        if isinstance(v, float) and not math.isfinite(v):
-            v = None  # JSON has no NaN; a missing value reads back as NaN in pandas
         out[k] = v
     return out
+
+
+@cache
+def _declared() -> dict[str, str]:
+    """metric → why it is undefined, from the loop's and the built-in instruments' ratio rules
+    (`gradlab.instruments.Ratio.undefined`)."""
+    from collections import defaultdict
+
+    from ...instruments import Ratio, resolve
+    from ..update.metrics import OWN_QUANTITIES
+
+    out = {}
+    for q in OWN_QUANTITIES + [q for i in resolve("full,same_batch") for q in i.quantities()]:
+        if isinstance(q, Ratio):
+            out[q.name] = q.undefined
+            continue
+        try:  # a Derived rule: the metrics it makes of empty sums (all NaN) are its names
+            made = q.fn(defaultdict(float))
+        except (KeyError, ValueError, TypeError, ZeroDivisionError):
+            made = {}
+        out.update({k: q.undefined for k in made})
+    return out
+
+
+def _reasons(rec: dict) -> dict[str, str]:
+    """Why each non-finite float of one record is undefined: the cause read from the record's
+    sums and counts (`gradlab.viz.undefined.step_reason`: no node, every group tied, ...), else
+    the ratio rule's reason; a value neither explains keeps jsonio's ("not a number")."""
+    from ...viz.undefined import NOT_MEASURED, step_reason
+
+    out = {}
+    for k, v in rec.items():
+        if isinstance(v, float) and math.isnan(v):  # ±inf: jsonio's "infinite"
+            why = step_reason(rec, k)
+            why = why if why not in (None, NOT_MEASURED) else _declared().get(k)
+            if why:
+                out[k] = why
+    return out
+
+
+def _line(rec: dict) -> str:
+    """One strict-JSON line of a record (keys sorted; undefined values null with reasons)."""
+    rec = _jsonable(rec)
+    return jsonio.dumps(rec, reasons=_reasons(rec), sort_keys=True)
 
 
 def _cut_torn_tail(path: Path) -> None:
@@ -317,8 +378,13 @@ def _read_jsonl(path: Path) -> list[dict]:
 def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
     """Read a run folder (or a folder of runs) into the tidy long table.
 
-    Columns: run, objective, seed, step, tokens, metric, value. `wide=True` pivots to one
-    row per (run, objective, seed, step, tokens) with a column per metric.
+    Columns: run, objective, seed, step, tokens, metric, value, undefined. `value` is NaN where
+    the metric is undefined at that step (a 0 denominator) and `undefined` then holds the
+    reason (e.g. "no gradient: every group tied"); `undefined` is None beside a value and where
+    the step did not record the metric. A run written without reasons gets them from its sums
+    (`gradlab.viz.undefined.step_reason`). `wide=True` pivots the values to one row per (run,
+    objective, seed, step, tokens) with a column per metric (no reasons: see
+    `gradlab.viz.undefined`).
     """
     path = Path(path)
     files = [path / "metrics.jsonl"] if (path / "metrics.jsonl").exists() else sorted(
@@ -330,6 +396,7 @@ def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
         recs = _read_jsonl(f)
         if not recs:
             continue
+        whys = [_stored_reasons(r) for r in recs]
         df = pd.DataFrame(recs)
         df["run"] = f.parent.name
         for c in ID_COLUMNS:
@@ -337,8 +404,11 @@ def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
                 df[c] = pd.NA
         value_cols = [c for c in df.columns if c not in ID_COLUMNS]
         long = df.melt(id_vars=list(ID_COLUMNS), value_vars=value_cols, var_name="metric",
-                       value_name="value")
+                       value_name="value")  # metric by metric, each over the records in order
         long["value"] = pd.to_numeric(long["value"], errors="coerce")
+        why = [w.get(m) for m in value_cols for w in whys]
+        long[REASON] = pd.Series(why, index=long.index, dtype=object).where(
+            long["value"].isna(), None)
         frames.append(long)
     tidy = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TIDY_COLUMNS)
     tidy = tidy[list(TIDY_COLUMNS)].sort_values(["run", "objective", "step", "metric"],
@@ -347,3 +417,14 @@ def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
         wide = tidy.pivot(index=list(ID_COLUMNS), columns="metric", values="value")
         return wide.reset_index().rename_axis(columns=None)
     return tidy
+
+
+def _stored_reasons(rec: dict) -> dict[str, str]:
+    """Pop a record's "undefined" entry: metric → reason for its null values (a run written
+    without reasons: derived from the record's sums, `_reasons`)."""
+    why = rec.pop(REASON, None)
+    if isinstance(why, dict):
+        return {k: str(v) for k, v in why.items() if rec.get(k) is None}
+    nulls = {k: math.nan for k, v in rec.items() if v is None}
+    derived = _reasons({**rec, **nulls}) if nulls else {}
+    return {k: derived.get(k, jsonio.NOT_A_NUMBER) for k in nulls}

@@ -7,7 +7,6 @@ Regenerate it with:  python -m gradlab.loop.setup.policy  (calls `make_default_p
 
 from __future__ import annotations
 
-import json
 import os
 import string
 import time
@@ -23,6 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from ... import jsonio
 from ..config import ConfigError, check_model_files
 from ..faults.untrusted import check_pickles
 from ..numerics.arch import choose_attn, set_dropout
@@ -261,7 +261,7 @@ def save_policy(model, tokenizer, path: str | Path, info: dict | None = None) ->
     model.save_pretrained(path)  # transformers 5 writes model.safetensors
     tokenizer.save_pretrained(path)
     if info is not None:
-        (path / "gradlab_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        (path / "gradlab_info.json").write_text(jsonio.dumps(info, indent=2) + "\n")
     return path
 
 
