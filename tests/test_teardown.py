@@ -85,3 +85,77 @@ def test_session_check_finds_a_re_parented_orphan():
         kill(set(left))
     time.sleep(0.2)
     assert not any(alive(k) for k in left)
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A real one-rank gloo group, and a `Dist` that acts as a rank of a job on it; records
+    whether each tracked wrapper is alive when the group is destroyed. The automatic garbage
+    collector is off meanwhile: only teardown's own collection frees a wrapper's cycle."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from gradlab.loop.scale.dist import Dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    refs, at_destroy = [], []
+    destroy = dist.destroy_process_group
+
+    def observed(*a, **k):
+        at_destroy.append([r() is not None for r in refs])
+        return destroy(*a, **k)
+
+    monkeypatch.setattr(dist, "destroy_process_group", observed)
+    D = Dist(rank=0, world=2)  # teardown acts as on a rank (world > 1)
+    gc.disable()
+    try:
+        yield D, lambda m: refs.append(weakref.ref(m)) or m, at_destroy
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            destroy()
+
+
+def _trained(D, track, fail: bool):
+    import torch
+
+    m = track(D.wrap(torch.nn.Linear(2, 2)))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(3, 2)).sum().backward()
+    opt.step()
+    if fail:
+        raise RuntimeError("the step failed")
+    return float(next(m.parameters()).detach().sum())
+
+
+def test_teardown_releases_wrappers_before_destroying_the_group(one_rank_group):
+    import torch.distributed as dist
+
+    D, track, at_destroy = one_rank_group
+    with D:
+        _trained(D, track, fail=False)
+    assert at_destroy == [[False]] and not dist.is_initialized()
+
+
+def test_teardown_after_an_error_clears_the_failed_frames(one_rank_group):
+    """The traceback keeps the failed frame, and its wrapper, alive: teardown clears it."""
+    import torch.distributed as dist
+
+    D, track, at_destroy = one_rank_group
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with D:
+            _trained(D, track, fail=True)
+    assert at_destroy == [[False]] and not dist.is_initialized()
+
+
+def test_teardown_warns_of_a_wrapper_the_caller_still_holds(one_rank_group, caplog):
+    import torch
+
+    D, track, at_destroy = one_rank_group
+    with D:
+        kept = track(D.wrap(torch.nn.Linear(2, 2)))
+    assert at_destroy == [[True]]
+    assert "1 data-parallel wrapper(s) still referenced" in caplog.text
+    del kept
