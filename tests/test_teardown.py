@@ -2,7 +2,7 @@
 and collected, process group destroyed) on success, on an error and on a signal, and the
 process checks every multi-process test relies on (tests/procs.py, tests/conftest.py).
 
-test_two_rank_jobs_end_on_every_rank takes about 60 s of 2 CPU cores: one torchrun launch of
+test_two_rank_jobs_end_on_every_rank takes 50-90 s on 2 busy CPU cores: one torchrun launch of
 two ranks, each calling `gradlab.train` 6 times (tests/teardown_child.py).
 """
 
