@@ -14,8 +14,9 @@ Every rank ends in one order (`Dist.teardown`, run by `with setup(...) as D:`): 
 then the DDP / FSDP wrappers and everything holding them (learners, optimizers) released and
 garbage-collected, then the process group destroyed. A wrapper holds the process group (DDP's
 reducer, FSDP's parameter groups) and sits in a reference cycle, so without the collection it
-is freed at some later garbage collection or at interpreter exit, where gloo's destructor
-joins its worker threads after the group is gone and can block the rank for good.
+is freed at some later garbage collection or at interpreter exit, after the group is gone: the
+group's destructor then joins gloo's worker threads while holding the GIL, and a worker that is
+waiting for the GIL never ends, so the rank blocks for good (at 0 % CPU).
 """
 
 from __future__ import annotations
