@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import run_tree
 from safetensors.torch import load_file
 from test_fsdp import ENV, TORCHRUN
 
@@ -156,7 +157,8 @@ for n in OBJECTIVES:
         gap = amp_gap(r.logps[mine], got.logps, r.W[mine], got.W, r.grad, got.grad, m)
         assert not amp_failures(gap), (n, label, gap)
         print("rank", D.rank, n, label, {k: round(v, 4) for k, v in gap.items()})
-D.close()
+del model, c  # the sharded model goes before its process group
+D.teardown()
 """
 
 
@@ -168,8 +170,7 @@ def test_fsdp_mixed_precision_matches_one_process(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**ENV, "PYTHONPATH": str(Path(gradlab.__file__).parents[1])}
-    r = subprocess.run([*TORCHRUN, str(script), "1"], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = run_tree([*TORCHRUN, str(script), "1"], timeout=300, together=120, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("rank") == 2 * 2 * len(OBJECTIVES), r.stdout
 

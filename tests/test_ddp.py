@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import run_tree
 from safetensors.torch import load_file
 
 import gradlab
@@ -24,7 +25,7 @@ def _torchrun(out: Path, steps: int, popen: bool = False, extra: tuple = ()):
     if popen:
         return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    return run_tree(cmd, timeout=600, together=120, env=ENV)
 
 
 # Metrics not held to one process, with why: wall-clock times; tax_cos, the cosine of a g_tax
@@ -142,7 +143,7 @@ def test_two_ranks_with_micro_batch_equal_one_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "gradlab", "tandem", "--out", str(two), "--steps", "2", *args,
            "--micro-batch", "4"]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    r = run_tree(cmd, timeout=600, together=120, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for obj in ("grpo", "gspo"):
         a = load_file(one / "checkpoints" / obj / "model.safetensors")

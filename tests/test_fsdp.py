@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import run_tree
 from safetensors.torch import load_file
 
 import gradlab
@@ -37,7 +38,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _run(cmd: list[str]) -> None:
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    r = run_tree(cmd, timeout=600, together=120, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -127,7 +128,8 @@ assert all(hasattr(p, "to_local") for p in model.parameters())  # sharded again
 out = model(input_ids=ids).logits  # a lock-step forward: all-gathers unit by unit
 assert torch.equal(out, want)
 print("rank", D.rank, "holds", local, "of", total)
-D.close()
+del model  # the sharded model goes before its process group
+D.teardown()
 """
 
 
@@ -136,8 +138,8 @@ def test_sharded_policy_holds_half_and_gathers_for_local_forwards(tmp_path):
     numbers of forwards (as sampling and probes do) and get the unsharded model's logits."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    r = subprocess.run([*TORCHRUN, str(script)], env={**ENV, "PYTHONPATH": str(Path(gradlab.__file__).parents[1])},
-                       capture_output=True, text=True, timeout=300)
+    r = run_tree([*TORCHRUN, str(script)], timeout=300, together=120,
+                 env={**ENV, "PYTHONPATH": str(Path(gradlab.__file__).parents[1])})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("holds") == 2, r.stdout
 

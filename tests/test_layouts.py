@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from procs import run_tree
+from tolerance import assert_close_f32
 
 import gradlab
 from gradlab.loop.numerics.logprobs import positions, token_logps
@@ -27,7 +29,6 @@ from gradlab.loop.rollouts.tree import decode, generate_tree, mix_keys, tree_sha
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.update.step import micro_batches
-from tolerance import assert_close_f32
 
 G = 8
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -337,7 +338,7 @@ def test_two_ranks_equal_one_process(tmp_path, layout, ranks):
     subprocess.run(_cli(one, "--steps", "2", *layout), env=ENV, check=True, capture_output=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "gradlab", "tandem", "--out", str(two), *ARGS, "--steps", "2", *layout, *ranks]
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    r = run_tree(cmd, timeout=600, together=120, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     wa, wb = gradlab.load_run(one, wide=True), gradlab.load_run(two, wide=True)
     for m in ("generated_tokens", "trained_tokens", "distinct_per_group", "informative_per_1k",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from procs import run_tree  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import gradlab  # noqa: E402
@@ -32,8 +32,7 @@ def _launch(out: Path, procs: int, *extra: str) -> None:
     head = ([sys.executable] if procs == 1 else
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={procs}"])
-    r = subprocess.run([*head, CHILD, str(out), *extra], env=ENV, capture_output=True,
-                       text=True, timeout=600)
+    r = run_tree([*head, CHILD, str(out), *extra], timeout=600, together=120, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import run_tree
 from tolerance import assert_close_f32
 
 import gradlab
@@ -183,9 +184,9 @@ def test_two_torchrun_ranks_train_the_user_loss_as_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "gradlab", *args, "--out", str(tmp_path / "one")],
                    env=env, check=True, capture_output=True, timeout=600)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=2", "-m", "gradlab", *args, "--out", str(tmp_path / "two")],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc_per_node=2", "-m", "gradlab", *args, "--out", str(tmp_path / "two")],
+                 timeout=600, together=120, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     wa, wb = (gradlab.load_run(tmp_path / k, wide=True) for k in ("one", "two"))
     wa, wb = (w[w["objective"] == "dr_grpo"].reset_index(drop=True) for w in (wa, wb))

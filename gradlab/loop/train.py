@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from ..core import objectives, variants
 from ..core.batch import advantages
+from ..core.userloss import UserLossError
 from ..instruments.manifest import write_manifest
 from ..provenance import record as record_provenance
-from ..core.userloss import UserLossError
 from .config import ConfigError, RunConfig
 from .faults.preempt import Preempted, StopSignals
 from .numerics.precision import amp_context
@@ -127,13 +126,15 @@ def train(cfg: RunConfig, resume: bool | str = False) -> RunStore:
     SIGTERM, SIGUSR1 or SIGINT: the step in flight is finished and checkpointed, then
     `Preempted` is raised (loop/faults/preempt.py). The run sets torch's thread count to
     `cfg.threads` (1 unless set, from Python as from the CLI; it stays set afterwards).
+    Every rank leaves the process group in one order, on success, error or signal: a barrier,
+    the learners and their DDP / FSDP wrappers released (they live only in `_train`'s frame,
+    which has ended), then the group destroyed (`Dist.teardown`).
     """
-    with StopSignals() as signals:
-        return _train(cfg, resume, signals)
+    with StopSignals() as signals, setup(cfg.device, cfg.fsdp) as D:
+        return _train(cfg, resume, signals, D)
 
 
-def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore:
-    D = setup(cfg.device, cfg.fsdp)
+def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals, D: Dist) -> RunStore:
     resume = resolve_resume(resume, cfg.out, D)
     if D.enabled and (cfg.split_groups or cfg.prompts % D.world or cfg.adv_scale == "batch"
                       or cfg.balance_polarity):
@@ -222,7 +223,6 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals) -> RunStore
         if stop:
             break
     live.close()
-    D.close()
     store.close()  # release the run folder's writer lock (loop/runs/lock.py)
     if stop:
         raise Preempted(stop, step + 1, cfg.steps, store.path, D.main)

@@ -23,6 +23,7 @@ update rebuilt from the optimizer state equals θ+ − θ.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 
 import torch
@@ -34,7 +35,7 @@ from ...probes.tax import learning_tax
 from ..config import RunConfig
 from ..numerics.logprobs import token_logps
 from ..numerics.precision import amp_context
-from ..scale.dist import Dist, setup, unwrap
+from ..scale.dist import Dist, unwrap
 from ..setup.policy import load_policy
 from ..setup.task import get_task
 from ..train import Learner, make_learners, sample
@@ -123,9 +124,9 @@ def measured_step(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch
 def prop31_tandem(cfg: RunConfig, progress: bool = False) -> list[dict]:
     """Run the tandem of cfg (one process, probes off: only this measurement) and return one
     record per (rollout step, optimizer step, objective, full-group node); see the module doc."""
-    D = setup(cfg.device)
-    if D.enabled:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # refused before joining any process group
         raise RuntimeError("prop31_tandem runs in one process")
+    D = Dist()
     torch.manual_seed(cfg.seed)
     builtin = cfg.task == "arithmetic"
     task = get_task(cfg.task, difficulty=cfg.difficulty) if builtin else get_task(cfg.task)

@@ -9,17 +9,32 @@ batch, see `Dist.fix_grads`), the loss normalisers' totals (sequences, tokens, w
 each loss, and the metrics as sums, counts and maxima (never averages of ratios). Rank 0 alone
 writes the run store and checkpoints. With --fsdp the policy is sharded with FSDP2 instead of
 replicated (gradlab.loop.scale.fsdp); layout and reductions stay these.
+
+Every rank ends in one order (`Dist.teardown`, run by `with setup(...) as D:`): a barrier,
+then the DDP / FSDP wrappers and everything holding them (learners, optimizers) released and
+garbage-collected, then the process group destroyed. A wrapper holds the process group (DDP's
+reducer, FSDP's parameter groups) and sits in a reference cycle, so without the collection it
+is freed at some later garbage collection or at interpreter exit, after the group is gone: the
+group's destructor then joins gloo's worker threads while holding the GIL, and a worker that is
+waiting for the GIL never ends, so the rank blocks for good (at 0 % CPU).
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
+import logging
 import os
-from dataclasses import dataclass
+import traceback
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +42,8 @@ class Dist:
     rank: int = 0
     world: int = 1
     fsdp: bool = False  # shard the policy with FSDP2 (loop/scale/fsdp.py) instead of DDP
+    # weak references to the wrappers `wrap` made: teardown checks that none outlives the group
+    _wrapped: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -67,10 +84,13 @@ class Dist:
         if self.fsdp:
             from .fsdp import shard
 
-            return shard(model, amp)
-        from torch.nn.parallel import DistributedDataParallel as DDP
+            out = shard(model, amp)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=None if not next(model.parameters()).is_cuda else [model.device])
+            out = DDP(model, device_ids=None if not next(model.parameters()).is_cuda else [model.device])
+        self._wrapped.append(weakref.ref(out))
+        return out
 
     def fix_grads(self, model: torch.nn.Module) -> None:
         """DDP (and FSDP's reduce-scatter) averages gradients over ranks; the per-rank losses
@@ -85,9 +105,51 @@ class Dist:
         """Global indices of the prompts this rank owns."""
         return list(range(self.rank, n, self.world))
 
-    def close(self) -> None:
-        if self.enabled and dist.is_initialized():
+    def __enter__(self) -> Dist:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self.teardown(exc)
+
+    def teardown(self, exc: BaseException | None = None) -> None:
+        """Leave the process group, in this order on every rank:
+
+        1. a barrier, when the block ended normally or on `Preempted` (every rank stops after
+           the same step); after any other error the other ranks may never arrive, so none;
+        2. the wrappers released: the frames of `exc`'s traceback (and of its cause and context)
+           are cleared, which drops the learners, models and optimizers the failed code held,
+           then a garbage collection frees the wrappers' reference cycles; a wrapper still
+           referenced after that (held by the caller) is logged as a warning;
+        3. the process group destroyed.
+
+        The wrappers must live only in frames that have ended when this runs: `train` keeps
+        them in `_train`, called inside the `with` block. One process: nothing to do."""
+        if not (self.enabled and dist.is_initialized()):
+            return
+        from ..faults.preempt import Preempted
+
+        try:
+            if exc is None or isinstance(exc, Preempted):
+                dist.barrier()
+        finally:
+            self._release(exc)
             dist.destroy_process_group()
+
+    def _release(self, exc: BaseException | None) -> None:
+        chain, todo = [], [exc]  # exc, its causes and contexts, each once
+        while todo:
+            e = todo.pop()
+            if e is not None and all(e is not x for x in chain):
+                chain.append(e)
+                todo += [e.__cause__, e.__context__]
+        for e in chain:
+            traceback.clear_frames(e.__traceback__)  # an executing frame is left as it is
+        gc.collect()
+        alive = sum(r() is not None for r in self._wrapped)
+        self._wrapped.clear()
+        if alive:
+            log.warning("gradlab: %d data-parallel wrapper(s) still referenced when the process "
+                        "group is destroyed; their later release may block this rank", alive)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -99,10 +161,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+_GROUPS = itertools.count()  # numbers the process groups this process joins (store prefixes)
+
+
 def _init_process_group(backend: str, world: int) -> None:
     """Join the default group. Under torchrun the workers meet on the agent's key-value store,
-    which outlives a restart: keys left by the dead round (rank addresses, barrier counters)
-    would be read by the new one, so each round uses its own key prefix."""
+    which outlives a restart and a destroyed group: keys left by the dead round or by an earlier
+    group of this job (rank addresses, barrier counters) would be read by the new one, so each
+    round, and each group within it (`train` called again in the same workers), uses its own
+    key prefix."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend)
         return
@@ -110,14 +177,16 @@ def _init_process_group(backend: str, world: int) -> None:
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size=world, is_master=False, timeout=timedelta(minutes=10))
-    store = dist.PrefixStore(f"gradlab/round{restart_count()}/", store)
+    store = dist.PrefixStore(f"gradlab/round{restart_count()}/group{next(_GROUPS)}/", store)
     dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=world)
 
 
 def setup(device: str, fsdp: bool = False) -> Dist:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1); else one process.
-    fsdp: shard the policy (needs WORLD_SIZE ≥ 2: one process has nothing to shard across)."""
+    fsdp: shard the policy (needs WORLD_SIZE ≥ 2: one process has nothing to shard across).
+    Use it as `with setup(...) as D:`, so that every rank leaves the group in one order, on an
+    error too (`Dist.teardown`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         if fsdp:
