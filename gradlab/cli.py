@@ -123,9 +123,6 @@ def _checked_config(a: argparse.Namespace) -> RunConfig:
     if not a.resume:  # a resumed run's model and length are the stored ones: checked below
         check_context(a.max_new_tokens, a.model)  # before the objectives are built (torch)
     stored = Path(a.out) / "config.json"
-    if not a.resume and (Path(a.out) / "metrics.jsonl").is_file():  # a re-run: said at once
-        raise ConfigError(f"--out {a.out} already holds a run: pass --resume to continue it, or "
-                          "choose another --out")
     if a.resume and stored.is_file():  # a hand-edited file: named before anything is built
         check_types(read_config(stored), str(stored))
     cfg = config_from_args(a, [a.objective] if getattr(a, "objective", None) else None)
@@ -148,6 +145,9 @@ def _stop_signals(a: argparse.Namespace) -> None:
 @command("run", "train one objective", _run_args)
 def cmd_train(a: argparse.Namespace) -> int:
     cfg = _checked_config(a)  # before the heavy imports: a mistake is answered at once
+    if not a.resume and (Path(cfg.out) / "metrics.jsonl").is_file():  # a re-run: said at once
+        raise ConfigError(f"--out {cfg.out} already holds a run: pass --resume to continue it, "
+                          "or choose another --out")
     from .loop.train import train
     from .viz.summary import write_run_summary
 
