@@ -84,11 +84,11 @@ RUN: dict[str, str | None] = {
     "--out runs/abl":
         f"gradlab tandem --objectives 'gspo,dfpo-min,dfpo-orth[nodes=trie],gspo[eps=1e9]' {SIZE} "
         "--out runs/abl",
-    # tree groups are roots × (branches + 1) responses: --prompts 2 is the size
+    # tree groups are roots × (branches + 1) responses: --prompts 4 (≥ the 4 minibatches)
     "gradlab tandem --objectives 'grpo,gspo,ibpo[form=ga+la],ibpo[form=togo,base=gspo]' "
     "--rollout tree --roots 1 --branches 7 --branch-token alternative --steps 5 --out runs/tree":
         "gradlab tandem --objectives 'grpo,gspo,ibpo[form=ga+la],ibpo[form=togo,base=gspo]' "
-        "--rollout tree --roots 1 --branches 7 --branch-token alternative --steps 1 --prompts 2 "
+        "--rollout tree --roots 1 --branches 7 --branch-token alternative --steps 1 --prompts 4 "
         "--eval-size 4 --out runs/tree",
     # K 8 × 8 reference batches of 8 × 8 → 2 × 2 of 2 × 2 (the estimator needs K, refs ≥ 2)
     "gradlab variance --task scaffold --objectives grpo,gspo,ibpo --K 8 --reference-batches 8 "
@@ -125,7 +125,7 @@ RUN: dict[str, str | None] = {
         f"gradlab tandem --rollout independent {SIZE} --out runs/indep",
     "gradlab tandem --rollout tree --roots 1 --branches 7 --branch-token alternative ...":
         "gradlab tandem --rollout tree --roots 1 --branches 7 --branch-token alternative "
-        "--steps 1 --prompts 2 --eval-size 4 --out runs/tree2",
+        "--steps 1 --prompts 4 --eval-size 4 --out runs/tree2",
     "gradlab tandem --rollout repair --repair resample --repair-tries 4 ...":
         f"gradlab tandem --rollout repair --repair resample --repair-tries 4 {SIZE} --out runs/rep",
     # gradlab check: path/to/losses.py is made in the folder (a loss with a residual)
