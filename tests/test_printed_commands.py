@@ -115,17 +115,19 @@ RUN: dict[str, str | None] = {
         "gradlab tandem --objectives gspo,dfpo-orth --instruments "
         f"default,examples/own_instrument.py:SharedMass@2 {SIZE} --out runs/shared",
     "gradlab view runs/shared": None,
-    # "...": the size and a folder of its own
+    # "...": the guide's own options above (the same run: here, its re-run)
     "gradlab tandem --instruments default,examples/own_instrument.py:SharedMass@2 ...":
-        f"gradlab tandem --instruments default,examples/own_instrument.py:SharedMass@2 {SIZE} "
-        "--out runs/instr",
+        "gradlab tandem --objectives gspo,dfpo-orth --instruments "
+        f"default,examples/own_instrument.py:SharedMass@2 {SIZE} --out runs/shared",
     "gradlab tandem --flips --tax-every 1 ...":
         f"gradlab tandem --flips --tax-every 1 {SIZE} --out runs/flips",
     "gradlab tandem --rollout independent ...":
         f"gradlab tandem --rollout independent {SIZE} --out runs/indep",
+    # "...": the README's tree options (the same run: here, its re-run)
     "gradlab tandem --rollout tree --roots 1 --branches 7 --branch-token alternative ...":
-        "gradlab tandem --rollout tree --roots 1 --branches 7 --branch-token alternative "
-        "--steps 1 --prompts 4 --eval-size 4 --out runs/tree2",
+        "gradlab tandem --objectives 'grpo,gspo,ibpo[form=ga+la],ibpo[form=togo,base=gspo]' "
+        "--rollout tree --roots 1 --branches 7 --branch-token alternative --steps 1 --prompts 4 "
+        "--eval-size 4 --out runs/tree",
     "gradlab tandem --rollout repair --repair resample --repair-tries 4 ...":
         f"gradlab tandem --rollout repair --repair resample --repair-tries 4 {SIZE} --out runs/rep",
     # gradlab check: path/to/losses.py is made in the folder (a loss with a residual)
@@ -140,7 +142,6 @@ RUN: dict[str, str | None] = {
     "gradlab reproduce --check ref.json": None,
     # plot_run.py reads the run the reproduce above wrote
     "python examples/plot_run.py --run runs/reproduce": None,
-    "gradlab doctor --device cpu --out report.md": None,
 }
 
 # printed command → the test that runs it (at the size the test gives, when it differs)
@@ -148,6 +149,8 @@ ELSEWHERE: dict[str, str] = {
     "gradlab --version": "tests/test_docs.py::test_version_is_the_distributions",
     "gradlab check": "tests/test_check.py::test_check_passes_on_main",
     "gradlab doctor": "tests/test_doctor.py::test_doctor_on_cpu_passes_and_writes_the_report",
+    "gradlab doctor --device cpu --out report.md":
+        "tests/test_doctor.py::test_doctor_on_cpu_passes_and_writes_the_report",
     "gradlab check --loss examples/my_losses.py:dr_grpo --expect none --update --baseline "
     "tests/my_loss_baseline.json": "tests/test_own_loss_docs.py::test_snippet_runs",
     "python examples/instrument_step.py": "tests/test_examples.py::test_instrument_step",
@@ -287,8 +290,12 @@ def _user_folder(tmp: Path) -> None:
 
 
 def _writes(cmd: str) -> bool:
-    return any(w in cmd.split() for w in ("--out", "--save-reference", "--update", "--resume")) \
-        or cmd.startswith(("gradlab run ", "gradlab tandem ", "gradlab reproduce "))
+    """Does `cmd` make a run folder or a file (a user may run it again in the same place)?
+    --resume continues one and --check re-uses one: not again."""
+    words = cmd.split()
+    return not {"--resume", "--check"} & set(words) and (
+        bool({"--out", "--save-reference", "--update"} & set(words))
+        or cmd.startswith(("gradlab run ", "gradlab tandem ")))
 
 
 def test_printed_commands_run(tmp_path):
