@@ -162,7 +162,8 @@ def compare_w(new: list[dict], old: list[dict], rel: float) -> str | None:
         return ("W scaled per seed: " + ", ".join(f"{factor_text(c)} [seed {s}]"
                                                   for s, c in enumerate(cs))
                 + " against the baseline (a factor that depends on the batch: a normalisation?)")
-    return (_nnz_text(new, old) or "W changed") + ": " + listed(changed)
+    nnz = _nnz_text(new, old)
+    return "W changed: " + (nnz + ": " if nnz else "") + listed(changed)
 
 
 def _nnz_text(new: list[dict], old: list[dict]) -> str:
@@ -177,7 +178,7 @@ def _nnz_text(new: list[dict], old: list[dict]) -> str:
     lost = [max(o["nnz"] - n["nnz"], 0) for n, o in zip(new, old)]
     gained = [max(n["nnz"] - o["nnz"], 0) for n, o in zip(new, old)]
     parts = ([f"W is 0 on {seeds(lost)} where the baseline had a gradient (a detached or "
-              "missing gradient?)"] if any(lost) else []) + (
+              "missing gradient, or a clip?)"] if any(lost) else []) + (
              [f"W is non-zero on {seeds(gained)} where the baseline had none (a gradient the "
               "baseline lacked: a mask, or a detach removed?)"] if any(gained) else [])
     return "; ".join(parts)

@@ -234,8 +234,9 @@ def test_a_detached_gradient_is_named(my_baseline, capsys):
              for s in check.SEEDS]
     assert [int(m.sum()) for m in first] == [16] * 3  # 16 rows, each starts with a response token
     line = fails["synthetic/loss:drgrpo_loss/on"]
-    assert ("W is 0 on 16 token(s) at each of 3 seeds where the baseline had a gradient "
-            "(a detached or missing gradient?): tokens with W≠0 [seed 0]") in line, line
+    assert ("W changed: W is 0 on 16 token(s) at each of 3 seeds where the baseline had a "
+            "gradient (a detached or missing gradient, or a clip?): tokens with W≠0 [seed 0]"
+            ) in line, line
 
 
 def test_a_rescale_that_differs_by_seed_is_named_per_seed(my_baseline, capsys):
@@ -296,11 +297,11 @@ def test_common_factor_needs_every_statistic():
     assert msg.startswith("W changed: ") and "ΣW·r₂ 0.05 → 0.2" in msg
     fewer = [{**rec[0], "nnz": 9}]  # a token fewer
     assert cb.compare_w(fewer, rec, 1e-12) == (
-        "W is 0 on 1 token(s) where the baseline had a gradient (a detached or missing "
-        "gradient?): tokens with W≠0 10 → 9")
+        "W changed: W is 0 on 1 token(s) where the baseline had a gradient (a detached or "
+        "missing gradient, or a clip?): tokens with W≠0 10 → 9")
     assert cb.compare_w([{**rec[0], "nnz": 12}], rec, 1e-12).startswith(
-        "W is non-zero on 2 token(s) where the baseline had none")
-    assert cb.compare_w([{**two[0], "nnz": 9}], rec, 1e-12).startswith("W is 0 on 1 token(s)")  # no rescale
+        "W changed: W is non-zero on 2 token(s) where the baseline had none")
+    assert cb.compare_w([{**two[0], "nnz": 9}], rec, 1e-12).startswith("W changed: W is 0 on 1 ")
     assert cb.compare_w(rec, [{"sum": 0.1}], 1e-12).startswith("W: the baseline's W record lacks")
     nan = [{**rec[0], "sum": float("nan")}]
     assert cb.compare_w(nan, rec, 1e-12).startswith("W changed: ΣW 0.1 → nan")
