@@ -1,7 +1,7 @@
 """Two losses of your own, trained beside the built-in objectives:
 
-    gradlab tandem --objectives examples/my_losses.py:dr_grpo,grpo,gspo --steps 10
-    gradlab tandem --objectives 'examples/my_losses.py:seq_clip[name=myclip],gspo'
+    gradlab tandem --objectives examples/my_losses.py:dr_grpo,grpo,gspo --steps 10 --out runs/own
+    gradlab tandem --objectives 'examples/my_losses.py:seq_clip[name=myclip],gspo' --out runs/clip
 
 A loss takes a `gradlab.TokenBatch` and returns a scalar tensor differentiable in
 `batch.logps`; every field it may read is described in docs/guides/loss-contract.md.

@@ -9,7 +9,9 @@ an ordinary model folder. The recipe then builds a task the model partly solves 
     python examples/real_model.py --out runs/smollm2 --steps 4 --prompts 4 --G 8
 
 The smallest size, the one CI runs: --steps 1 --prompts 2 --G 4 --objectives grpo
---max-new-tokens 16. Nothing is downloaded: the weights are the package's.
+--max-new-tokens 16. The defaults (20 steps of grpo and gspo, 4 prompts × G = 8) take hours on a
+CPU: one step of both objectives took 11 min on 2 busy cores, the model folder 2.6 min once.
+Nothing is downloaded: the weights are the package's.
 """
 
 from __future__ import annotations

@@ -8,14 +8,20 @@ generation batch into TRL's logs (`gradlab/*` keys) and into a run store,
 
     pip install -e ".[trl]"
     python examples/trl_callback.py                        # 8 prompts × G = 8, 4 generation batches
-    python examples/trl_callback.py --prompts 2 --G 4 --gens 1 --out /tmp/trl-example
+    python examples/trl_callback.py --prompts 2 --G 8 --gens 1 --out /tmp/trl-example
+
+TRL checkpoints every generation batch: run the same command again and it continues from the
+last checkpoint of its --out (a larger --gens trains on; a finished run is read, not retrained).
 """
 
 import argparse
+import os
 import random
 import warnings
 
 from datasets import Dataset
+from transformers import TrainerState
+from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig
 
 import gradlab
@@ -39,16 +45,21 @@ def correct_sum(completions: list[str], answer: list[str], **kw) -> list[float]:
 
 def main(prompts: int, G: int, gens: int, out: str) -> None:
     model, tokenizer = load_policy()              # gradlab/data/default_policy
+    # a re-run in the same --out continues from its last checkpoint (a larger --gens trains on)
+    last = get_last_checkpoint(out) if os.path.isdir(out) else None
+    done = TrainerState.load_from_json(f"{last}/trainer_state.json").global_step if last else 0
     args = GRPOConfig(
-        output_dir=out, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+        output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True,
+        save_strategy="steps", save_steps=2, save_total_limit=1,  # a checkpoint per batch
         num_generations=G, per_device_train_batch_size=prompts * G // 2,
         steps_per_generation=2, gradient_accumulation_steps=1,   # 2 optimizer steps per batch
         max_steps=2 * gens, logging_steps=2, learning_rate=1e-3, max_completion_length=14)
     trainer = GradlabGRPOTrainer(model=model, processing_class=tokenizer,
                                  reward_funcs=correct_sum, args=args,
-                                 train_dataset=arithmetic(64, seed=0),
-                                 gradlab=GradlabConfig())         # dfpo="orth": DFPO on
-    trainer.train()
+                                 train_dataset=arithmetic(64, seed=0),  # dfpo="orth": DFPO on
+                                 gradlab=GradlabConfig(resume=last is not None))
+    if done < args.max_steps:  # a finished run is only read (transformers would step once more)
+        trainer.train(resume_from_checkpoint=last)
 
     run = gradlab.load_run(f"{out}/gradlab", wide=True)          # one row per generation batch
     cols = ["step", "rho_prefix", "rho_prefix_step", "split_groups", "shared_fraction"]

@@ -101,6 +101,8 @@ grpo       0 0 . 0 0 0 .
 grpo-const 0 0 . 0 0 0 .
 grpo-fix   0 0 0 0 0 0 0
 """
+EXPECT_LEGEND = ("expect: ρ prefix/ρ trie must be 0 = cancel (round-off), + = a residual "
+                 "(≥ 1e-3), . = anything (the baseline only)")
 DEFAULT_TOL = {
     "synthetic": {"max_abs": 1e-6, "mean": 1e-8, "zero": 1e-9, "hook": 1e-9},
     "model": {"max_abs": 1e-3, "mean": 1e-4, "zero": 1e-5, "hook": 1e-4},
@@ -352,6 +354,7 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
         rp, rt = (_worst(getattr(r, m), r.undefined.get(m, ())) for m in ("rho_prefix", "rho_trie"))
         lines.append(f"{r.key:<30} {rp:>9} {rt:>9} {exp:>6} "
                      f"{dev:>11} {dlt:>9} {r.w_base:>8}  {status}")
+    lines.append(EXPECT_LEGEND)
     if any(UNDEFINED in ln for ln in lines[2:]):
         lines.append(f"{UNDEFINED} undefined: no node, or no gradient at the shared tokens (W ≡ 0 "
                      "there, so nothing to cancel) at every seed; null in the baseline, never 0")

@@ -159,7 +159,31 @@ def compare_w(new: list[dict], old: list[dict], rel: float) -> str | None:
     if c is not None:
         flip = " (sign flipped)" if c < 0 else ""
         return f"W scaled {factor_text(c)} against the baseline{flip}"
-    return "W changed: " + listed(changed)
+    cs = [common_factor([n], [o], [a]) for n, o, a in zip(new, old, atol)]
+    if len(cs) > 1 and None not in cs:  # each seed rescaled, by a factor of its own batch
+        return ("W scaled per seed: " + ", ".join(f"{factor_text(c)} [seed {s}]"
+                                                  for s, c in enumerate(cs))
+                + " against the baseline (a factor that depends on the batch: a normalisation?)")
+    nnz = _nnz_text(new, old)
+    return "W changed: " + (nnz + ": " if nnz else "") + listed(changed)
+
+
+def _nnz_text(new: list[dict], old: list[dict]) -> str:
+    """What a changed count of tokens with W ≠ 0 means ("" when no seed's count changed); a
+    count that fell by n means at least n tokens lost their gradient."""
+    def seeds(d: list[int]) -> str:
+        if len(d) == 1:
+            return f"{d[0]} token(s)"
+        if len(set(d)) == 1:
+            return f"{d[0]} token(s) at each of {len(d)} seeds"
+        return ", ".join(f"{x} [seed {s}]" for s, x in enumerate(d)) + " token(s)"
+    lost = [max(o["nnz"] - n["nnz"], 0) for n, o in zip(new, old)]
+    gained = [max(n["nnz"] - o["nnz"], 0) for n, o in zip(new, old)]
+    parts = ([f"W is 0 on {seeds(lost)} where the baseline had a gradient (a detached or "
+              "missing gradient, or a clip?)"] if any(lost) else []) + (
+             [f"W is non-zero on {seeds(gained)} where the baseline had none (a gradient the "
+              "baseline lacked: a mask, or a detach removed?)"] if any(gained) else [])
+    return "; ".join(parts)
 
 
 def listed(items: list[str], n: int = 4) -> str:
@@ -238,7 +262,8 @@ def compare_one(r, b: dict, src: str, exact: bool, tol: dict) -> list[float]:
     else:
         rel = exact_tol(src, tol) if exact else tol.get("W", W_TOL)[src]
         msg = compare_w(r.W, b["W"], rel)
-        r.w_base = "same" if msg is None else (msg.split()[2] if msg.startswith("W scaled")
+        r.w_base = "same" if msg is None else (msg.split()[2] if msg.startswith("W scaled ×")
+                                                else "per seed" if msg.startswith("W scaled")
                                                 else "changed")
         if msg:
             r.problems.append(msg)

@@ -80,6 +80,7 @@ def test_broken_user_loss_fails_and_is_named(loss_file, capsys):
     out = capsys.readouterr().out
     assert "FAIL" in out and "synthetic/loss:seqnorm_loss/on " in out
     assert "scenario(s) failed: synthetic/loss:seqnorm_loss/on" in out
+    assert "expect: ρ prefix/ρ trie must be 0 = cancel" in out  # the codes of the expect column
     # equal lengths: 1/|o_i| is a common constant, so that scenario passes
     line = next(s for s in out.splitlines() if s.startswith("synthetic/loss:seqnorm_loss/on-eq"))
     assert line.rstrip().endswith("ok (no baseline)")
@@ -163,12 +164,12 @@ def test_bad_arguments_exit_2(capsys):
 SCALED = '''
 import torch
 def drgrpo_loss(b):
-    r = torch.exp(b.logps - b.old_logps)
+    r = torch.exp({logps} - b.old_logps)
     A = {adv}
     m = {mask}
     return {factor} * -(A[:, None] * r * m).sum() / (b.B * b.T)
 '''
-PLAIN = {"adv": "b.advantages", "mask": "b.mask", "factor": "1.0"}
+PLAIN = {"adv": "b.advantages", "mask": "b.mask", "factor": "1.0", "logps": "b.logps"}
 # the mask without each row's last response token (a loss that drops EOS)
 NO_LAST = "b.mask & (torch.arange(b.T) < b.mask.sum(-1, keepdim=True) - 1)"
 
@@ -216,6 +217,43 @@ def test_flipped_advantages_and_dropped_token_are_caught(my_baseline, capsys):
     assert check.main(["--loss", _write(loss), "--baseline", str(base), "--no-model"]) == 0
 
 
+def _fails(out: str) -> dict[str, str]:
+    """{scenario: its FAIL line} of a `gradlab check` report."""
+    return {ln.split(": ")[0][5:]: ln for ln in out.splitlines() if ln.startswith("FAIL ")}
+
+
+def test_a_detached_gradient_is_named(my_baseline, capsys):
+    """The first response token's log-prob detached: W is 0 there, on every row."""
+    loss, base = my_baseline
+    capsys.readouterr()
+    detached = "torch.cat([b.logps[:, :1].detach(), b.logps[:, 1:]], 1)"
+    assert check.main(["--loss", _write(loss, logps=detached), "--baseline", str(base),
+                       "--no-model"]) == 1
+    fails = _fails(capsys.readouterr().out)
+    first = [random_batch(n_groups=4, G=4, T=12, seed=s, **REGIMES["on"]).mask[:, 0]
+             for s in check.SEEDS]
+    assert [int(m.sum()) for m in first] == [16] * 3  # 16 rows, each starts with a response token
+    line = fails["synthetic/loss:drgrpo_loss/on"]
+    assert ("W changed: W is 0 on 16 token(s) at each of 3 seeds where the baseline had a "
+            "gradient (a detached or missing gradient, or a clip?): tokens with W≠0 [seed 0]"
+            ) in line, line
+
+
+def test_a_rescale_that_differs_by_seed_is_named_per_seed(my_baseline, capsys):
+    """Normalised by the batch's response tokens instead of B·T: W × B·T/Σmask, per batch."""
+    loss, base = my_baseline
+    capsys.readouterr()
+    assert check.main(["--loss", _write(loss, factor="(b.B * b.T) / b.mask.sum()"),
+                       "--baseline", str(base), "--no-model"]) == 1
+    fails = _fails(capsys.readouterr().out)
+    batches = [random_batch(n_groups=4, G=4, T=12, seed=s, **REGIMES["on"]) for s in check.SEEDS]
+    factors = [cb.factor_text(b.B * b.T / float(b.mask.sum())) for b in batches]
+    assert len(set(factors)) == 3
+    assert fails["synthetic/loss:drgrpo_loss/on"].endswith(
+        "W scaled per seed: " + ", ".join(f"{f} [seed {s}]" for s, f in enumerate(factors))
+        + " against the baseline (a factor that depends on the batch: a normalisation?)")
+
+
 def test_exact_on_this_machine_tolerances_on_another(my_baseline, capsys):
     loss, base = my_baseline
     spec = _write(loss)
@@ -258,8 +296,12 @@ def test_common_factor_needs_every_statistic():
     msg = cb.compare_w(bent, rec, 1e-12)
     assert msg.startswith("W changed: ") and "ΣW·r₂ 0.05 → 0.2" in msg
     fewer = [{**rec[0], "nnz": 9}]  # a token fewer
-    assert cb.compare_w(fewer, rec, 1e-12) == "W changed: tokens with W≠0 10 → 9"
-    assert cb.compare_w([{**two[0], "nnz": 9}], rec, 1e-12).startswith("W changed")  # no rescale
+    assert cb.compare_w(fewer, rec, 1e-12) == (
+        "W changed: W is 0 on 1 token(s) where the baseline had a gradient (a detached or "
+        "missing gradient, or a clip?): tokens with W≠0 10 → 9")
+    assert cb.compare_w([{**rec[0], "nnz": 12}], rec, 1e-12).startswith(
+        "W changed: W is non-zero on 2 token(s) where the baseline had none")
+    assert cb.compare_w([{**two[0], "nnz": 9}], rec, 1e-12).startswith("W changed: W is 0 on 1 ")
     assert cb.compare_w(rec, [{"sum": 0.1}], 1e-12).startswith("W: the baseline's W record lacks")
     nan = [{**rec[0], "sum": float("nan")}]
     assert cb.compare_w(nan, rec, 1e-12).startswith("W changed: ΣW 0.1 → nan")
