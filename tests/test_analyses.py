@@ -443,6 +443,34 @@ def test_same_runs_reports_identical_and_differing_runs(tmp_path, capsys):
     assert f"only in {tmp_path / 'a'}: traces" in capsys.readouterr().out
 
 
+def test_same_runs_allows_only_the_reasons_an_older_store_lacks(tmp_path, capsys):
+    """A store written before nulls carried their reason (no "undefined" entry) is the same
+    numbers as a newer one; a null the older run stored as 0 is a difference."""
+    import json
+
+    from analyses.tools import same_runs
+    from gradlab.loop.config import RunConfig
+    from gradlab.loop.train import train
+
+    task = tmp_path / "never.jsonl"  # an answer no response gives: every group tied
+    task.write_text("".join(json.dumps({"prompt": p, "answer": "never"}) + "\n"
+                            for p in ("3+4=?", "10+25=?")))
+    for name in ("a", "b"):
+        train(RunConfig(out=str(tmp_path / name), objectives=["grpo"], steps=2, prompts=2, G=4,
+                        minibatches=1, progress=False, probe_contexts=2, task=str(task)))
+    path = tmp_path / "a" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(r.get("undefined") for r in rows)  # the newer store writes reasons
+    older = [{k: v for k, v in r.items() if k != "undefined"} for r in rows]
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in older))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "reason of its nulls in 2 rows" in capsys.readouterr().out
+    key = next(iter(rows[0]["undefined"]))
+    older[0][key] = 0.0  # undefined written as 0 is not the same number
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in older))
+    assert same_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+
+
 def test_same_runs_records_its_check_and_allows_only_new_options_at_default(tmp_path, capsys):
     """`--record` writes the check into a figure JSON, which `analyses.tools.provenance` prints; a
     config key only the newer run has passes when it is RunConfig's default and fails when not;

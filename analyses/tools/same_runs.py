@@ -1,6 +1,7 @@
 """Are two run folders the same numbers? Bitwise, except what is allowed to differ.
 
-Compares every value of metrics.jsonl except wall-clock timings (`time_*`), samples.jsonl, and
+Compares every value of metrics.jsonl except wall-clock timings (`time_*`) and the reasons a
+newer store writes beside its nulls (`"undefined"`, where the older run has none), samples.jsonl, and
 the bytes of every checkpoint and trace file; config.json except its `out`. Used to show that a
 change of code that should not change behaviour (a refactor, a new option left off) did not:
 train the same configuration before and after, then
@@ -63,6 +64,10 @@ def compare(a: Path, b: Path) -> tuple[dict, list[str]]:
     for i, (x, y) in enumerate(zip(ma, mb)):
         for k in sorted(set(x) | set(y)):
             if k.startswith("time_"):
+                continue
+            if k == jsonio.UNDEFINED and k not in x:
+                # the reasons of a newer store's nulls; the nulls themselves are compared
+                counts["undefined reasons added"] = counts.get("undefined reasons added", 0) + 1
                 continue
             if x.get(k) != y.get(k):
                 diffs.append(f"metrics.jsonl row {i} ({x.get('objective')}, step {x.get('step')}): "
@@ -143,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             detail += ("; the newer config adds " + ", ".join(f"{k}={v!r}" for k, v in
                        counts["new options"].items()) + " (options the older code did not have, "
                        "at their defaults)")
+        if counts.get("undefined reasons added"):
+            detail += (f"; the newer store gives the reason of its nulls in "
+                       f"{counts['undefined reasons added']:,} rows (values the same)")
     print(detail)
     if diffs:
         print(f"{len(diffs)} differences:\n" + "\n".join(diffs[:args.show]))
