@@ -2,7 +2,7 @@
 objective.
 
 `gradlab.load_run(folder)` returns one tidy table — run, objective, seed, step, tokens, metric,
-value — for a run of gradlab's loop or of the TRL integration; `gradlab.viz.training_curves`
+value, and the reason where a value is undefined — for a run of gradlab's loop or of the TRL integration; `gradlab.viz.training_curves`
 draws it with seaborn (one colour and dash per objective, so curves that coincide stay visible;
 ρ on a log axis, with float round-off shaded). Without `--run` this script first trains a short
 tandem of GSPO and DFPO (Min-Replace) from the shipped tiny policy. The figure goes to
@@ -42,8 +42,12 @@ def main(run: str | None, out: str | None, steps: int) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", help="run folder (default runs/plot-example; trained if it holds no run)")
+    p.add_argument("--run", help="a run folder to draw (default: the example's own run, "
+                   "runs/plot-example, trained once)")
     p.add_argument("--out", default=None, help="PNG file to write (default RUN/plot.png)")
     p.add_argument("--steps", type=int, default=20, help="rollout steps of the tandem it trains")
     a = p.parse_args()
+    if a.run is not None and not Path(a.run, "metrics.jsonl").exists():
+        p.error(f"--run {a.run}: no run there (no metrics.jsonl); train one first (e.g. "
+                "gradlab reproduce), or leave --run out for the example's own run")
     main(a.run, a.out, a.steps)

@@ -419,10 +419,11 @@ def check_scenarios(scenarios: list[Scenario], base: dict, update: Path | None =
     results, now = run(scenarios)
     check_invariants(results, scenarios, tol)
     msgs, notes = ([], []) if update else cb.compare(results, base, now, tol)
-    if residual and max((x for r in results for x in _defined(r.rho_prefix)),
-                        default=0.0) < tol["positive"]:
-        msgs.append(f"{residual}: expected a residual somewhere, but ρ < {tol['positive']:g} in "
-                    "every scenario")
+    defined = [x for r in results for x in _defined(r.rho_prefix)]
+    if residual and (not defined or max(defined) < tol["positive"]):
+        msgs.append(f"{residual}: expected a residual somewhere, but " + (
+            f"ρ < {tol['positive']:g} in every scenario" if defined else
+            "ρ is undefined in every scenario (no full-group token, or W ≡ 0 there)"))
     print(render(results, scenarios))
     print("".join(f"note: {n}\n" for n in notes) + "".join(f"FAIL: {m}\n" for m in msgs), end="")
     if update:

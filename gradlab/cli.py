@@ -147,8 +147,11 @@ def _stop_signals(a: argparse.Namespace) -> None:
 def cmd_train(a: argparse.Namespace) -> int:
     cfg = _checked_config(a)  # before the heavy imports: a mistake is answered at once
     if not a.resume and (Path(cfg.out) / "metrics.jsonl").is_file():  # a re-run: said at once
-        raise ConfigError(f"--out {cfg.out} already holds a run: pass --resume to continue it, "
-                          "or choose another --out")
+        from .loop.scale.dist import restart_count
+
+        if restart_count() == 0:  # (a job torchrun restarted resumes by itself)
+            raise ConfigError(f"--out {cfg.out} already holds a run: pass --resume to continue "
+                              "it, or choose another --out")
     from .loop.train import train
     from .viz.summary import write_run_summary
 

@@ -9,8 +9,9 @@ strict parsers (browsers, `jq`, most languages) reject, and writing 0 instead wo
   `{"rho_prefix": null, "undefined": {"rho_prefix": "no full-group token"}}`. The reason is the
   caller's where it knows one (`reasons=`), else "not a number" / "infinite";
 - a non-finite float inside a list is `null`; the object holding the list gives the reason
-  under the list's key where the caller knows one (e.g. `{"rho": [0.1, null], "undefined":
-  {"rho": "no shared token (seed 1)"}}`), a list alone has no keys to give a reason by.
+  under the list's key (the caller's, e.g. `{"rho": [0.1, null], "undefined": {"rho": "no
+  shared token (seed 1)"}}`, else "not a number" / "infinite"); a list alone has no keys to
+  give a reason by.
 
 `loads` reads such a file back with `null` as NaN where it stood for an undefined value (a
 value, or an element of a list, whose key the `"undefined"` entry names; any other `null`
@@ -62,9 +63,10 @@ def strict(obj: Any, reasons: Mapping[str, str] | None = None) -> Any:
                 out[k] = None
             else:
                 out[k] = strict(v)
-                if (reasons or {}).get(str(k)) and isinstance(v, (list, tuple)) and any(
-                        isinstance(x, float) and not math.isfinite(x) for x in v):
-                    why[str(k)] = reasons[str(k)]
+                bad = [x for x in v if isinstance(x, float) and not math.isfinite(x)] if isinstance(
+                    v, (list, tuple)) else []
+                if bad:
+                    why[str(k)] = (reasons or {}).get(str(k)) or why.get(str(k)) or _reason_of(bad[0])
         if why:
             out[UNDEFINED] = dict(sorted(why.items()))
         return out

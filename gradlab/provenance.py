@@ -70,13 +70,15 @@ def _module_file(name: str) -> Path | None:
     import importlib.util
     import sys
 
-    sys.path.insert(0, os.getcwd())
-    try:
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:  # (finding "pkg.mod" imports pkg, as training the loss does anyway)
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         spec = None
     finally:
-        sys.path.pop(0)
+        if cwd in sys.path:  # that import may have changed sys.path: remove our entry by value
+            sys.path.remove(cwd)
     origin = getattr(spec, "origin", None)
     return Path(origin) if origin and Path(origin).is_file() else None
 

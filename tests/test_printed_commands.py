@@ -140,13 +140,19 @@ RUN: dict[str, str | None] = {
         "gradlab reproduce --steps 1 --seeds 2 --prompts 4 --G 2 --eval-size 4 "
         "--save-reference ref.json",
     "gradlab reproduce --check ref.json": None,
-    # plot_run.py reads the run the reproduce above wrote
-    "python examples/plot_run.py --run runs/reproduce": None,
+    # plot_run.py draws the main job's run (runs/reproduce, minutes: not made here); it draws
+    # the seed-0 run of the reference above instead, which reproduce trained the same way
+    "python examples/plot_run.py --run runs/reproduce":
+        "python examples/plot_run.py --run ref.runs",
 }
 
 # printed command → the test that runs it (at the size the test gives, when it differs)
 ELSEWHERE: dict[str, str] = {
     "gradlab --version": "tests/test_docs.py::test_version_is_the_distributions",
+    # own-loss.md: a reference over the user's loss file, then its check after the file changed
+    "gradlab reproduce --objectives examples/my_losses.py:dr_grpo,grpo --steps 8 --seeds 3 "
+    "--save-reference ref.json":
+        "tests/test_regression_check.py::test_a_changed_user_loss_file_is_re_run_and_named",
     "gradlab check": "tests/test_check.py::test_check_passes_on_main",
     "gradlab doctor": "tests/test_doctor.py::test_doctor_on_cpu_passes_and_writes_the_report",
     "gradlab doctor --device cpu --out report.md":
@@ -301,7 +307,8 @@ def _writes(cmd: str) -> bool:
 def test_printed_commands_run(tmp_path):
     """Each RUN command in one folder, in order; a writer twice (see the module doc)."""
     _user_folder(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done: set[str] = set()
     failed = []  # every command runs; the failures are named together at the end

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python examples/real_trl.py --objectives OBJ --steps 60 --G 8 "
                        "--prompts 2 --spg 2 --max-completion-length 128 --eval-every 10 "
                        "--eval-size 32 --tax-every 1 --save-every 5 --fewshot chat"}
-    (out / "real_trl.json").write_text(jsonio.dumps(_clean(meta), indent=1) + "\n")
+    (out / "real_trl.json").write_text(jsonio.dumps(meta, indent=1) + "\n")
     figure(w, out / "real_trl.png")
     page = out / "real_trl.md"
     if page.is_file():
@@ -229,15 +229,6 @@ def _first(w: pd.DataFrame, obj: str) -> int | None:
     d = w.loc[obj]
     hit = d.index[d.get("has_prefix", pd.Series(dtype=float)).fillna(0) > 0]
     return int(hit[0]) if len(hit) else None
-
-
-def _clean(x):
-    """`x` with every NaN as None (null: strict JSON)."""
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 notebooks' helpers live in gradlab.viz.
 
 Every training-based figure reads the run store's tidy table (`gradlab.load_run`): columns
-run, objective, seed, step, tokens, metric, value. Helpers here train seeds into run folders,
-put seeds on a common token axis, bootstrap over seeds and evaluate final checkpoints.
+run, objective, seed, step, tokens, metric, value (`load_seeds` drops the `undefined` reasons
+beside them). Helpers here train seeds into run folders, put seeds on a common token axis,
+bootstrap over seeds and evaluate final checkpoints.
 """
 
 from __future__ import annotations

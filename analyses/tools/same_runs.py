@@ -72,7 +72,7 @@ def compare(a: Path, b: Path) -> tuple[dict, list[str]]:
             if x.get(k) != y.get(k):
                 diffs.append(f"metrics.jsonl row {i} ({x.get('objective')}, step {x.get('step')}): "
                              f"{k} {x.get(k)!r} vs {y.get(k)!r}")
-            else:
+            elif k != jsonio.UNDEFINED:  # the reasons are compared, not counted as values
                 counts["metric values"] += 1
     files = lambda p: {f.relative_to(p) for d in ("checkpoints", "traces") if (p / d).exists()
                        for f in (p / d).rglob("*") if f.is_file()} | {Path("samples.jsonl")}

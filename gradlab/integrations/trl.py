@@ -220,8 +220,8 @@ class GradlabMixin(ResumeMixin):
             out[ROW_KEY] = torch.arange(cids.shape[0], device=cids.device)
             out[GROUP_KEY] = group
             # Nodes come from every sampled token; TRL's loss mask only makes W = 0 (module doc).
-            mask = _sampled_mask(out, self.args.mask_truncated_completions,
-                                 _pad_token_id(self.processing_class))
+            cut = self.args.mask_truncated_completions  # only then is the pad id needed
+            mask = _sampled_mask(out, cut, _pad_token_id(self.processing_class) if cut else None)
             loss = _loss_mask(out)
             if self.gradlab.loss is not None:
                 A = local_advantages(self, self._gl_rewards, out, mask, group)
@@ -409,7 +409,7 @@ def _loss_mask(inputs: dict) -> Tensor:
     return m.bool()
 
 
-def _sampled_mask(inputs: dict, masked_truncated: bool, pad_id: int) -> Tensor:
+def _sampled_mask(inputs: dict, masked_truncated: bool, pad_id: int | None) -> Tensor:
     """(B, T) bool — every token of each completion (tool results included), whether or not
     TRL's loss counts it: the completion mask, except on the rows that
     `mask_truncated_completions` zeroed whole (`masked_truncated`). TRL truncates a row whose

@@ -152,7 +152,7 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
     from .trl import split_share, stepwise_residual
 
     acc = dict.fromkeys(("res", "mass", "res_step", "res_trie", "mass_trie", "res_cf", "mass_cf"), 0.0)
-    shares, split = dict.fromkeys(("coupling", "length", "clip"), 0.0), []
+    shares, split = dict.fromkeys(("coupling", "length", "clip", "residual"), 0.0), []
     for w in windows:
         trie = shared_nodes(w.batch, "trie")
         sn = trie.full_group()
@@ -179,6 +179,6 @@ def pool_windows(windows: list, objective=None) -> dict[str, float]:
     out["split_attr"] = (acc["res_step"] - acc["res"]) / acc["res_step"] if real else math.nan
     if objective is not None:
         out["rho_closed_form"] = r("res_cf", "mass_cf")
-        out.update({f"attr_{k}": v / acc["res_cf"] if acc["res_cf"] > 0 else math.nan
-                    for k, v in shares.items()})
+        res = shares.pop("residual")  # Σ res of the same batches and nodes as the numerators
+        out.update({f"attr_{k}": v / res if res > 0 else math.nan for k, v in shares.items()})
     return out

@@ -49,11 +49,6 @@ def same_machine(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in FINGERPRINT)
 
 
-def _clean(x) -> float | None:
-    x = float(x)
-    return x if math.isfinite(x) else None  # JSON has no NaN
-
-
 UNDEFINED_MEAN = "no finite value at any step of the run"
 
 
@@ -72,7 +67,8 @@ def summary_numbers(summary: pd.DataFrame) -> dict:
 
 def series(tidy: pd.DataFrame) -> dict:
     """{objective: {metric: {"steps": [...], "values": [...]}}} of a run's tidy table, the
-    step's token count as the series "tokens", timings left out, NaN as None."""
+    step's token count as the series "tokens", timings left out; an undefined step is NaN
+    (gradlab.jsonio writes it as null, with the reason under "values")."""
     out: dict = {}
     for obj, d in tidy.groupby("objective", sort=False):
         wide = d.pivot_table(index="step", columns="metric", values="value", dropna=False,
@@ -81,7 +77,7 @@ def series(tidy: pd.DataFrame) -> dict:
         per = {m: wide[m] for m in untimed(wide.columns)}
         per["tokens"] = tokens
         out[str(obj)] = {m: {"steps": [int(i) for i in v.index],
-                             "values": [_clean(x) for x in v.to_numpy(dtype=float)]}
+                             "values": [float(x) for x in v.to_numpy(dtype=float)]}
                          for m, v in sorted(per.items())}
     return out
 

@@ -59,11 +59,16 @@ def check_resume_config(path: Path, stored: dict, given: dict) -> None:
     if diff:
         raise ConfigError(f"--resume: {path} was made with other options ({'; '.join(diff)}); "
                           "omit them to use the stored ones, or choose another --out")
-    if int(given.get("steps", 0)) < int(stored.get("steps", 0)):
-        raise ConfigError(f"--resume: {path} is a run of {stored['steps']} steps; --steps "
-                          f"{given['steps']} is fewer (a run cannot be shortened: its "
-                          "config.json would disagree with its metrics); omit --steps, or "
-                          "choose another --out")
+    steps = int(given.get("steps", 0))
+    if steps < int(stored.get("steps", 0)):
+        # a partial run may be resumed to fewer steps than it planned (config.json records the
+        # new total), never to fewer than it has done: its records would disagree with its data
+        done = (run_status(path) or (0, 0))[0]
+        if steps < done:
+            raise ConfigError(f"--resume: {path} holds {done} steps done of {stored['steps']}; "
+                              f"--steps {steps} is fewer (a run cannot be shortened: its "
+                              "config.json would disagree with its metrics); omit --steps, or "
+                              "choose another --out")
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

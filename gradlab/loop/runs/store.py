@@ -305,8 +305,8 @@ def _declared() -> dict[str, str]:
             continue
         try:  # a Derived rule: the metrics it makes of empty sums (all NaN) are its names
             made = q.fn(defaultdict(float))
-        except (KeyError, ValueError, TypeError, ZeroDivisionError):
-            made = {}
+        except Exception:  # a rule that cannot run on empty sums names nothing (the metric
+            made = {}      # keeps jsonio's reason); writing the record must not fail on it
         out.update({k: q.undefined for k in made})
     return out
 
