@@ -296,7 +296,7 @@ def _declared() -> dict[str, str]:
     from collections import defaultdict
 
     from ...instruments import Ratio, resolve
-    from ..update.metrics import OWN_QUANTITIES
+    from ...instruments.own import OWN_QUANTITIES
 
     out = {}
     for q in OWN_QUANTITIES + [q for i in resolve("full,same_batch") for q in i.quantities()]:

@@ -4,7 +4,7 @@
 `Readings`): over the optimizer steps of one rollout batch it keeps sums and counts (never
 averages of ratios), combines data-parallel ranks in `finish`, and then turns the totals into
 the reported metrics by *declared* rules (`Ratio`, `Derived`: each instrument's `quantities()`,
-and `OWN_QUANTITIES` for what the loop itself records). So ρ = Σ residual / Σ scale over all the
+and `gradlab.instruments.own` for what the loop itself records). So ρ = Σ residual / Σ scale over all the
 steps' nodes, and data-parallel ranks report what one process computes on the whole batch
 (tests/test_ddp.py holds every metric to it). One exception, by definition: the "length"
 counterfactual of attr_length sets T_i to the mean length of the rows the objective sees — under
@@ -27,10 +27,9 @@ from torch import Tensor
 
 from ...core.batch import TokenBatch
 from ...core.credit import branch_tokens
-from ...instruments import Derived, Ratio, Readings, div, resolve
+from ...instruments import Readings, resolve
+from ...instruments.own import OWN_QUANTITIES, TOKSUM
 from ..rollouts.layouts import layout_sums
-
-TOKSUM = "toksum/"  # Σ over tokens of an objective's per-token stat (names known at run time)
 
 
 class StepMetrics:
@@ -166,44 +165,6 @@ class StepMetrics:
                      "split_groups": sum(spread), "zero_std_groups": sum(zero_std),
                      **layout_sums(ro)}.items():
             self.sums[k].append(v)
-
-
-def _token_means(s: dict) -> dict:
-    """An objective's per-token stats (clip_frac, ratio_mean): Σ over tokens / n_tokens."""
-    return {k[len(TOKSUM):]: div(v, s.get("n_tokens", 0)) for k, v in s.items() if k.startswith(TOKSUM)}
-
-
-def _layout_ratios(s: dict) -> dict:
-    """Per-group and per-token figures of the rollout layout (`gradlab.loop.rollouts.layouts`);
-    NaN where the denominator is 0 (no group, no generated token, no branch point, no repair
-    tried or kept: e.g. edited_per_repair of a run whose repairs all failed)."""
-    g = s.get("n_groups", 0)
-    return {"distinct_per_group": div(s["distinct_responses"], g),
-            "duplicates_per_group": div(s["duplicate_responses"], g),
-            "branch_points_per_group": div(s["branch_points"], g),
-            "informative_per_group": div(s["informative_points"], g),
-            "informative_per_1k": div(1000 * s["informative_points"], s["generated_tokens"]),
-            "branch_depth": div(s["branch_depth_sum"], s["branch_points"]),
-            "repair_success": div(s["repairs_kept"], s["repairs_tried"]),
-            "edited_per_repair": div(s["edited_tokens"], s["repairs_kept"])}
-
-
-_ROWS = "no row"
-# what the loop records itself (not an instrument): rollout, tokens, advantages, layout
-OWN_QUANTITIES: list = [
-    *(Ratio(name, num, "n_rows", _ROWS, drop_num=True) for name, num in (
-        ("reward", "reward_sum"), ("accuracy", "correct"), ("length", "length_sum"),
-        ("form0_share", "form0"), ("form1_share", "form1"))),
-    Ratio("split_share", "split_groups", "n_groups", "no group", drop_num=True),
-    Ratio("zero_std_share", "zero_std_groups", "n_groups", "no group", drop_num=True),
-    Ratio("entropy", "entropy_sum", "n_tokens", "no response token", drop_num=True),
-    Ratio("adv_nonzero_frac", "adv_nonzero", "n_tokens", "no response token", drop_num=True),
-    Ratio("adv_branch_share", "adv_abs_branch_sum", "adv_abs_sum", "every advantage 0",
-          drop_num=True, drop_den=True),
-    Derived(TOKSUM, _token_means, "no response token", drop_family=True),
-    Derived("generated_tokens", _layout_ratios, "no group, token, branch point or repair",
-            drop=("branch_depth_sum",)),
-]
 
 
 def finalize(totals: dict, quantities: list | None = None) -> dict:
