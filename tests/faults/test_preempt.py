@@ -53,7 +53,10 @@ def test_signal_checkpoints_and_resume_is_bitwise(tmp_path, reference, sig, code
                     f"steps; checkpoint {out / 'checkpoints'} (step {k}); resume with: "
                     f"gradlab tandem --out {out} --resume"), err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert ("again: still saving" in err) == again
+    # a repeated signal that lands while saving is answered "again: still saving"; whether one
+    # lands before the exit is timing (a tiny run can finish its save within the 20 ms), so only
+    # the message without repeated signals is wrong
+    assert again or "again: still saving" not in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["grpo"]
     assert (out / "metrics.jsonl").read_text().count("\n") == k  # metrics of every done step
     assert main(["tandem", "--out", str(out), "--resume", "--steps", str(STEPS)]) == 0
