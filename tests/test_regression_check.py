@@ -75,11 +75,16 @@ def test_a_run_of_other_code_is_never_reused_and_the_rerun_is_identical(saved, c
     assert f"|Δ| ≤ {RTOL:g}" in out and "code: the reference's" in out
 
 
-def test_another_machine_falls_back_to_statistics(saved, capsys):
-    ref = json.loads((saved / "ref.json").read_text())
+def _on_another_machine(folder) -> None:
+    """folder/ref.json as saved on "Another CPU", written to folder/other.json."""
+    ref = json.loads((folder / "ref.json").read_text())
     for fp in [ref["fingerprint"]] + [r["fingerprint"] for r in ref["runs"]]:
         fp["cpu_model"] = "Another CPU"
-    (saved / "other.json").write_text(json.dumps(ref))
+    (folder / "other.json").write_text(json.dumps(ref))
+
+
+def test_another_machine_falls_back_to_statistics(saved, capsys):
+    _on_another_machine(saved)
     code = main(["reproduce", "--check", str(saved / "other.json")])
     out = capsys.readouterr().out
     assert "fallback: another machine than the reference's: cpu_model 'Another CPU'" in out
@@ -141,10 +146,7 @@ def test_a_one_seed_reference_is_strict_json_and_checks_exactly(one_seed, capsys
 
 
 def test_a_one_seed_reference_on_another_machine_says_what_to_run(one_seed, capsys):
-    ref = json.loads((one_seed / "ref.json").read_text())
-    for fp in [ref["fingerprint"]] + [r["fingerprint"] for r in ref["runs"]]:
-        fp["cpu_model"] = "Another CPU"
-    (one_seed / "other.json").write_text(json.dumps(ref))
+    _on_another_machine(one_seed)
     assert main(["reproduce", "--check", str(one_seed / "other.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err  # one line, before any work
