@@ -295,7 +295,7 @@ def trim_rows(csv_path: Path, objective: str, after: int) -> None:
 def run_objective(a: argparse.Namespace, objective: str, folder: Path, out: Path) -> None:
     """Train one objective to --steps optimizer steps, from its last checkpoint if any."""
     from gradlab import provenance
-    from gradlab.integrations.trl_audit import quiet
+    from gradlab.integrations.audit.trl import quiet
 
     out_dir = out / objective
     ckpt = last_checkpoint(out_dir)

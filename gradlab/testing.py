@@ -13,14 +13,11 @@ loss in CI:
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 
 from torch import Tensor
 
-from .core.batch import TokenBatch
-from .core.cancellation import Cancellation, cancellation
-from .scenarios import (  # noqa: F401  (re-exported: gradlab.testing.random_batch, ...)
+from .check.scenarios import (  # noqa: F401  (re-exported: gradlab.testing.random_batch, ...)
     REGIMES,
     TRAINING_DEFAULTS,
     loop_step_on,
@@ -30,6 +27,8 @@ from .scenarios import (  # noqa: F401  (re-exported: gradlab.testing.random_bat
     random_batch,
     training_defaults,
 )
+from .core.batch import TokenBatch
+from .core.cancellation import Cancellation, cancellation
 
 
 def _reports(loss_fn, seeds, nodes, **batch_kw) -> list[tuple[int, Cancellation]]:
@@ -124,7 +123,8 @@ def assert_matches_baseline(loss_fn: Callable[[TokenBatch], Tensor], path,
     import io
     from pathlib import Path
 
-    from . import check, check_baseline
+    from .check import baseline as check_baseline
+    from .check import run as check
 
     path = Path(path)
     if not update and not path.is_file():

@@ -24,7 +24,7 @@ from test_fsdp import ENV, TORCHRUN
 
 import gradlab
 from gradlab import objectives
-from gradlab.doctor import OBJECTIVES, read_step, tiny_case
+from gradlab.cli.doctor import OBJECTIVES, read_step, tiny_case
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.numerics.precision import (
     AMP_LOGP_ATOL,
@@ -135,7 +135,7 @@ def _float32_checkpoints(out: Path) -> None:
 WORKER = r"""
 import sys, torch
 from gradlab import objectives
-from gradlab.doctor import OBJECTIVES, read_step, tiny_case
+from gradlab.cli.doctor import OBJECTIVES, read_step, tiny_case
 from gradlab.loop.scale.dist import setup
 from gradlab.loop.numerics.precision import amp_failures, amp_gap
 D = setup("cpu", fsdp=True)

@@ -7,13 +7,13 @@ import tempfile
 
 import pytest
 import torch
+from tolerance import assert_close_f32
 
 from gradlab.loop.numerics.logprobs import positions, token_logps
 from gradlab.loop.setup.archsweep import causal_lm_types, sweep_one, tiny_model
 from gradlab.loop.setup.policy import build_tokenizer, load_policy, save_policy
 from gradlab.loop.setup.selfcheck import TOLERANCE, ModelRefused, reference_logps, self_check
 from gradlab.loop.setup.task import ArithmeticTask
-from tolerance import assert_close_f32
 
 TYPES = causal_lm_types()  # generated from transformers' mapping, not typed
 _RESULTS: dict[str, dict] = {}
@@ -120,7 +120,7 @@ def test_opt_decoder_found_through_get_decoder(tmp_path):
 
 
 def test_cli_refuses_mamba_in_one_line_before_any_step(tmp_path, capsys):
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     folder = _tiny_folder(tmp_path, "mamba")
     capsys.readouterr()  # the save's progress bar
@@ -150,7 +150,7 @@ def test_attention_chosen_per_architecture(tmp_path):
 
 
 def test_cli_attn_sdpa_on_bloom_is_one_line(tmp_path, capsys):
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     folder = _tiny_folder(tmp_path, "bloom")
     capsys.readouterr()

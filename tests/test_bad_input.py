@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the thing at fault, or a documented defined result."""
 
 import math
+
 import pytest
 import torch
 
@@ -127,7 +128,7 @@ import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from gradlab.cli import COMMANDS, main  # noqa: E402
+from gradlab.cli.main import COMMANDS, main  # noqa: E402
 from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR  # noqa: E402
 
 
@@ -239,7 +240,7 @@ def test_cli_missing_shipped_policy_is_one_line_naming_the_file(argv, tmp_path, 
 
 
 def test_help_version_and_argument_errors_do_not_import_torch():
-    code = ("import sys\nfrom gradlab.cli import main\n"
+    code = ("import sys\nfrom gradlab.cli.main import main\n"
             "for argv in (['--help'], ['--version'], ['run', 'grpo', '--step', '3'], "
             "['table', '--G', 'x'], ['check', '--bogus'], ['doctor', '--bogus'], ['audit', 'foo'], "
             "['tandem', '--help']):\n"
@@ -251,7 +252,7 @@ def test_help_version_and_argument_errors_do_not_import_torch():
 
 
 def test_cli_copies_of_variance_choices_match_the_module():
-    from gradlab.cli_args import ROLLOUTS, VARIANCE_OBJECTIVES
+    from gradlab.cli.args import ROLLOUTS, VARIANCE_OBJECTIVES
     from gradlab.loop.recipes import variance
 
     assert ROLLOUTS == variance.ROLLOUTS

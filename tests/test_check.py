@@ -7,8 +7,9 @@ import textwrap
 import pytest
 import torch
 
-from gradlab import check, objectives, testing
-from gradlab import check_baseline as cb
+from gradlab import objectives, testing
+from gradlab.check import baseline as cb
+from gradlab.check import run as check
 from gradlab.core.objectives import GRPO, GSPO, GRPOFix
 from gradlab.loop import config
 from gradlab.loop.config import RunConfig
@@ -67,9 +68,9 @@ def loss_file(tmp_path):
 
 # --- gradlab check ---------------------------------------------------------------------------
 def test_check_passes_on_main(capsys):
-    from gradlab.cli import main as cli_main
+    from gradlab.cli.main import main as cli_main
 
-    assert cli_main(["check"]) == 0  # `gradlab check` delegates to gradlab.check.main
+    assert cli_main(["check"]) == 0  # `gradlab check` delegates to gradlab.check.run.main
     out = capsys.readouterr().out
     assert f"all {len(check.builtin_scenarios())} scenarios pass" in out
     assert "model/gspo/off" in out and "synthetic/dfpo-orth/far" in out
@@ -422,8 +423,8 @@ def test_regime_report_rows():
 def test_an_undefined_rho_prints_as_a_dash_not_0(capsys):
     """DFPO Min-Replace off-policy: GSPO's clip zeroes a group's min weight, so W ≡ 0 at every
     full-group token — ρ there is undefined and printed —⁰ (with its legend), never 0."""
-    from gradlab.check import UNDEFINED
-    from gradlab.cli import main
+    from gradlab.check.run import UNDEFINED
+    from gradlab.cli.main import main
 
     assert main(["check", "--only", "dfpo-min/near", "--no-model"]) == 0
     out = capsys.readouterr().out

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import gradlab
-from gradlab.cli import build_parser
+from gradlab.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

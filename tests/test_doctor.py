@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradlab import objectives
-from gradlab.doctor import Check, read_step, report, tiny_case
+from gradlab.cli.doctor import Check, read_step, report, tiny_case
 from gradlab.loop.numerics.precision import W_EXACT_RTOL, amp_failures
 
 ENV_RUN = {"timeout": 300, "capture_output": True, "text": True}

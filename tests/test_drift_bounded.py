@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from tolerance import assert_close_f32
 
 from gradlab.core.batch import TokenBatch
 from gradlab.core.nodes import shared_nodes
@@ -15,11 +16,9 @@ from gradlab.loop.numerics.logprobs import context_logprobs, token_logps
 from gradlab.loop.rollouts.rollout import generate
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
-from gradlab.loop.train import Learner
-from gradlab.loop.update.metrics import StepMetrics
 from gradlab.loop.update.forwards import node_logprobs
+from gradlab.loop.update.metrics import StepMetrics
 from gradlab.probes.drift import KL_BUDGET, kl_nodes, kl_rows
-from tolerance import assert_close_f32
 
 
 def test_kl_nodes_all_or_an_evenly_spaced_sample():
@@ -35,7 +34,6 @@ def run_drift(after_model, cfg, ro, rows, b, held, sn, heavy: bool) -> dict:
     weights moved to `after_model`, π_before at the nodes `held`: the finished metrics."""
     from gradlab.instruments import DivergentDrift, Drift
     from gradlab.loop.scale.dist import Dist
-    from gradlab.loop.update.metrics import StepMetrics
     from gradlab.loop.update.view import StepView
 
     view = StepView(after_model, cfg, ro, rows, Dist(), batch=b, trained_batch=b,

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import gradlab
 from gradlab import objectives
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.core.cancellation import cancellation
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.runs.store import CorruptFileError
@@ -486,7 +486,7 @@ def test_threads_are_set_and_recorded_and_results_repeat_at_a_fixed_count(tmp_pa
 
 def _trl_run(tmp_path, steps, resume=None, store_resume=False):
     pytest.importorskip("trl")
-    from gradlab.integrations import trl_audit
+    from gradlab.integrations.audit import trl as trl_audit
     from gradlab.integrations.trl import GradlabConfig
 
     with trl_audit.quiet():

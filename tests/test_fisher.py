@@ -4,6 +4,7 @@ step (gradlab.loop.recipes.prop31)."""
 
 import pytest
 import torch
+from tolerance import assert_close_f32
 from torch.func import jacrev
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -16,7 +17,6 @@ from gradlab.probes.fisher import (
     kl_and_fisher,
     logprob_jvp,
 )
-from tolerance import assert_close_f32
 
 V = 11
 

@@ -22,7 +22,7 @@ import torch
 
 import gradlab
 from gradlab import objectives
-from gradlab.doctor import OBJECTIVES, read_step, tiny_case
+from gradlab.cli.doctor import OBJECTIVES, read_step, tiny_case
 from gradlab.loop.numerics.precision import W_EXACT_RTOL, amp_failures, amp_gap
 
 pytestmark = [pytest.mark.gpu,

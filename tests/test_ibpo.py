@@ -1,8 +1,8 @@
 """IBPO (docs/concepts/ibpo.md): token advantages in every objective, the trie and repair estimators and
 their seven properties, LCS alignment, and the `ibpo` objective (closed form = autograd)."""
 
-import math
 import itertools
+import math
 
 import pytest
 import torch

@@ -360,7 +360,7 @@ def test_two_ranks_equal_one_process(tmp_path, layout, ranks):
      "--rollout repair: a repair trains next to the row it corrects"),
 ])
 def test_bad_layout_option_is_a_one_line_error(args, msg, capsys):
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     assert main(["tandem", "--out", "/tmp/x", *args]) == 2
     err = capsys.readouterr().err.strip()

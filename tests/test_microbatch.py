@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tolerance import assert_close_f32, f32_atol
 
 import gradlab
 from gradlab.core import objectives
@@ -33,7 +34,6 @@ from gradlab.loop.update.step import (
     micro_batches,
     optimizer_step,
 )
-from tolerance import assert_close_f32, f32_atol
 
 G = 4
 VARIANTS = [(n, {}) for n in objectives.names()] + [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.loop.config import ConfigError, RunConfig, check_types
 from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR, SCAFFOLD_POLICY_DIR
 
@@ -195,7 +195,7 @@ def test_argument_errors_do_not_import_torch_or_transformers(tmp_path):
              ["check", "--baseline", str(tmp_path / "no.json")], ["audit", "verl", "--bogus"],
              ["check", "--loss", "no_such_module_here:fn"], ["check", "--loss", "no_file.py:fn"],
              ["audit", "trl", "--workload", "x"]]
-    code = ("import json, sys\nfrom gradlab.cli import main\nrcs = []\n"
+    code = ("import json, sys\nfrom gradlab.cli.main import main\nrcs = []\n"
             f"for argv in {cases!r}:\n"
             "    try:\n        rcs.append(main(argv))\n    except SystemExit as e:\n"
             "        rcs.append(e.code)\n"
@@ -210,7 +210,7 @@ def test_argument_errors_do_not_import_torch_or_transformers(tmp_path):
 
 
 def test_torch_free_copies_equal_their_sources():
-    from gradlab.cli_args import model_context
+    from gradlab.cli.args import model_context
     from gradlab.core import objectives
     from gradlab.core.batch import ADVANTAGE_SCALES
     from gradlab.loop.config import ADV_SCALES, OBJECTIVE_NAMES

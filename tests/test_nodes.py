@@ -1,6 +1,7 @@
 """Shared-node structure against a brute-force trie, and property-based invariants."""
 
 import math
+
 import pytest
 import torch
 from hypothesis import given, settings

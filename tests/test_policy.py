@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import assert_close_f32
 from transformers import AutoTokenizer
 
 from gradlab.loop.setup import policy, shipped
@@ -19,7 +20,6 @@ from gradlab.loop.setup.policy import (
     warm_start,
 )
 from gradlab.loop.setup.task import ArithmeticTask, JsonlTask, ScaffoldTask
-from tolerance import assert_close_f32
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_close_f32
 from torch.distributions import Categorical
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -25,7 +26,6 @@ from gradlab.probes import (
     node_drift,
 )
 from gradlab.testing import measure_modulation
-from tolerance import assert_close_f32
 
 V, P, T, N_GROUPS, G, PREFIX = 16, 3, 8, 3, 4, 3
 B = N_GROUPS * G
@@ -364,16 +364,15 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     divergent Δlog π by sign of A on heavy steps."""
     import copy
 
+    from test_drift_bounded import run_drift
+
     from gradlab.core.nodes import shared_nodes
     from gradlab.loop.config import RunConfig
     from gradlab.loop.numerics.logprobs import token_logps
     from gradlab.loop.rollouts.rollout import generate
     from gradlab.loop.setup.policy import load_policy
     from gradlab.loop.setup.task import ArithmeticTask
-    from gradlab.loop.train import Learner
-    from gradlab.loop.update.metrics import StepMetrics
     from gradlab.loop.update.forwards import node_logprobs
-    from test_drift_bounded import run_drift
 
     model, tok = load_policy()
     task = ArithmeticTask()
@@ -426,7 +425,6 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     from gradlab.loop.rollouts.rollout import generate
     from gradlab.loop.setup.policy import load_policy
     from gradlab.loop.setup.task import ArithmeticTask
-    from gradlab.loop.train import Learner
     from gradlab.loop.update.forwards import tax_step
 
     model, tok = load_policy()

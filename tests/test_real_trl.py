@@ -4,8 +4,8 @@ SmolLM2-135M-Instruct at its smallest size, resumed from its checkpoint."""
 from __future__ import annotations
 
 import csv
-import json
 import importlib.util
+import json
 import math
 import re
 import subprocess

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from gradlab import provenance
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.core.losses import GRPO
 from gradlab.loop.recipes.baseline import RTOL
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tolerance import assert_close_f32
 
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.rollouts.rollout import Rollout, generate, score
 from gradlab.loop.setup.policy import build_tokenizer, load_policy, new_model
 from gradlab.loop.setup.task import ArithmeticTask
-from tolerance import assert_close_f32
 
 G = 4
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gradlab
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.loop.config import RunConfig
 from gradlab.loop.rollouts.rollout import generate
 from gradlab.loop.setup.policy import SCAFFOLD_POLICY_DIR, build_tokenizer, load_policy

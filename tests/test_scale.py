@@ -3,11 +3,11 @@ prompt limits. Every quantity is compared with an independent plain computation.
 
 import pytest
 import torch
+from tolerance import assert_close_f32
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from gradlab.loop.numerics import logprobs as lpmod
 from gradlab.loop.numerics.logprobs import token_logps
-from tolerance import assert_close_f32
 
 QWEN_VOCAB = 151_936  # Qwen3 embedding rows (the tokenizer has 151,669 ids)
 
@@ -209,7 +209,7 @@ def test_math_verifier(tmp_path, monkeypatch):
 
 
 def test_cli_over_long_prompt_exits_2_with_one_line(tmp_path, capsys):
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     task = _jsonl(tmp_path, ["1+0=?", "2+0=?", "a much longer prompt=?"])
     rc = main(["tandem", "--task", task, "--max-prompt-len", "8", "--steps", "1",

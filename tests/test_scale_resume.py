@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.loop.config import RunConfig
 from gradlab.loop.runs.resume import config_differences
 

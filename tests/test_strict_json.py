@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import gradlab
-from gradlab import check, jsonio, objectives, provenance
+from gradlab import jsonio, objectives, provenance
+from gradlab.check import run as check
+from gradlab.check.scenarios import random_batch
 from gradlab.loop.config import RunConfig
 from gradlab.loop.runs.store import REASON, RunStore, load_run
 from gradlab.loop.train import train
-from gradlab.scenarios import random_batch
 from gradlab.viz.undefined import TIED
 
 torch.set_num_threads(1)

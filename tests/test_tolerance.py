@@ -4,7 +4,6 @@ and it fails on what a bug does — a wrong scale, a shifted position, a NaN on 
 import numpy as np
 import pytest
 import torch
-
 from tolerance import EPS32, ULPS, assert_close_f32, f32_atol
 
 

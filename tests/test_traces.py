@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tolerance import assert_close_f32
 
 import gradlab
 from gradlab import objectives
@@ -14,7 +15,6 @@ from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.runs.traces import COLUMNS, token_rows
 from gradlab.loop.train import train
 from gradlab.testing import measure_modulation, random_batch
-from tolerance import assert_close_f32
 
 TINY = dict(prompts=2, G=4, minibatches=2, probe_contexts=2, tax_every=0, progress=False)
 

@@ -14,7 +14,7 @@ import torch
 
 import gradlab
 from gradlab import objectives
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.train import train
 from gradlab.loop.update.step import minibatches

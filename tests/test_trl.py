@@ -13,21 +13,21 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from tolerance import assert_close_f32
 from trl import GRPOTrainer
 
 import gradlab
 from gradlab import objectives
 from gradlab.core.batch import TokenBatch
-from gradlab.integrations import trl_audit
-from gradlab.integrations.trl import (
+from gradlab.integrations.audit import trl as trl_audit
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, pool_windows, quiet
+from gradlab.integrations.trl.trainer import (
     GROUP_KEY,
     ROW_KEY,
     GradlabConfig,
     GradlabGRPOTrainer,
     reconstruct_groups,
 )
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, pool_windows, quiet
-from tolerance import assert_close_f32
 
 G = 8
 
@@ -161,7 +161,7 @@ def test_sampled_mask_recovers_the_rows_trl_dropped():
     """The nodes' mask from TRL's padded batch: every token of each completion, tool results
     included, on the rows mask_truncated_completions zeroed too (pad id = EOS id here, and a
     pad id inside a truncated completion)."""
-    from gradlab.integrations.trl import _loss_mask, _sampled_mask
+    from gradlab.integrations.trl.trainer import _loss_mask, _sampled_mask
 
     pad = eos = 1
     rows = [[5, 6, 1], [5, 1, 7, 8], [5, 6, 7, 8], [4, 9, 9, 1]]  # rows 1, 2: truncated
@@ -296,7 +296,7 @@ def test_instrumentation_does_not_change_training(tmp_path):
 
 
 def test_audit_quick_end_to_end(tmp_path, capsys):
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     assert main(["audit", "trl", "--quick", "--out", str(tmp_path)]) == 0
     import pandas as pd
@@ -379,7 +379,7 @@ def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
 
         return ds, same_reward
 
-    from gradlab.integrations import trl_audit_setup  # make_trainer's own module
+    from gradlab.integrations.audit import trl_setup as trl_audit_setup  # make_trainer's own module
 
     monkeypatch.setattr(trl_audit_setup, "dataset_and_reward", tied)
     tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1)
@@ -402,7 +402,7 @@ def test_window_without_a_full_group_token_has_undefined_rho():
     at full-group nodes while the trie, with shared pairs, is measured."""
     import math
 
-    from gradlab.integrations.trl_window import window_metrics
+    from gradlab.integrations.trl.window import window_metrics
 
     tokens = torch.tensor([[1, 5, 6], [2, 5, 6], [3, 7, 8], [3, 7, 9]])
     b = TokenBatch(tokens=tokens, mask=torch.ones(4, 3, dtype=torch.bool),

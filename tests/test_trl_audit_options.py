@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from gradlab.integrations import trl_audit_options as opts
+from gradlab.integrations.audit import trl_options as opts
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, make_trainer, quiet, to_markdown
 from gradlab.integrations.trl import GradlabConfig
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet, to_markdown
 
 LENGTHS = WORKLOADS["lengths"]
 

@@ -1,4 +1,4 @@
-"""The learning tax inside TRL (`GradlabConfig.tax_every`, gradlab/integrations/trl_tax.py).
+"""The learning tax inside TRL (`GradlabConfig.tax_every`, gradlab/integrations/trl/tax.py).
 
 Real (tiny, CPU, offline) GRPOTrainer runs; the probe's ‖g_tax‖/‖g‖ is held to gradlab's own
 computation on the same batch and weights: the loop's log-probs (`token_logps`), gradlab's
@@ -15,18 +15,18 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from test_trl import Capturing  # keeps (model state, inputs) of every training loss call
 from tolerance import assert_close_f32
 
 from gradlab import objectives
 from gradlab.core.batch import TokenBatch
 from gradlab.core.cancellation import cancellation
-from gradlab.integrations import trl_audit
-from gradlab.integrations.trl import GROUP_KEY, GradlabConfig, GradlabGRPOTrainer
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, quiet
+from gradlab.integrations.audit import trl as trl_audit
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, quiet
+from gradlab.integrations.trl.trainer import GROUP_KEY, GradlabConfig, GradlabGRPOTrainer
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.setup.policy import load_policy
 from gradlab.probes.tax import layer_groups, learning_tax, tax_report
-from test_trl import Capturing  # keeps (model state, inputs) of every training loss call
 
 G = 8
 

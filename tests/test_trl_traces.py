@@ -7,8 +7,8 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import gradlab
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.integrations.trl import GradlabConfig
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
 
 
 def test_trl_windows_are_traced(tmp_path):

@@ -17,7 +17,7 @@ from tolerance import assert_close_f32
 
 import gradlab
 from gradlab import objectives
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.core.variants import label, parse
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.train import train

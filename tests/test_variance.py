@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.core import objectives
 from gradlab.core.batch import advantages
 from gradlab.loop.config import ConfigError

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradlab import objectives
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.core.variants import parse, split_top
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.testing import random_batch

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from verl_child import run_in_verl_env
 from tolerance import assert_close_f32
+from verl_child import run_in_verl_env
 
 try:
     from verl.trainer.ppo import core_algos
@@ -32,8 +32,8 @@ def test_verl_cases_in_verl_env():
 
 
 def _setup():
-    from gradlab.integrations import verl as gv
-    from gradlab.integrations.verl_audit import actor_config
+    from gradlab.integrations.audit.verl import actor_config
+    from gradlab.integrations.verl import losses as gv
 
     return gv, actor_config
 
@@ -148,7 +148,7 @@ def test_split_group_with_micro_batch_local_normaliser_breaks_cancellation():
     normalisers (mini-batch totals) cancel; micro-batch-local ones do not. The mini-batch ρ
     reported equals ρ of the W's of the calls, concatenated (an independent computation)."""
     from gradlab.core.cancellation import cancellation
-    from gradlab.integrations.verl_audit import micro_rows, run_mini_batch
+    from gradlab.integrations.audit.verl import micro_rows, run_mini_batch
     from gradlab.testing import random_batch
 
     gv, _ = _setup()
@@ -259,7 +259,7 @@ def test_clear_errors():
 def test_audit_quick_writes_the_table(tmp_path):
     import pandas as pd
 
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     assert main(["audit", "verl", "--quick", "--seeds", "2", "--out", str(tmp_path)]) == 0
     df = pd.read_csv(tmp_path / "verl_audit.csv")
@@ -311,7 +311,7 @@ def test_gradlab_ppo_loss_on_verl_real_ppo_loss(uid):
     from verl.workers.utils import losses
 
     from gradlab.core.batch import advantages
-    from gradlab.integrations import verl_actor
+    from gradlab.integrations.verl import actor as verl_actor
     from gradlab.loop.rollouts.rollout import generate
     from gradlab.loop.setup.policy import load_policy
     from gradlab.loop.setup.task import ArithmeticTask

@@ -27,15 +27,15 @@ def test_verl_option_cases_in_verl_env():
 
 
 def _batches(seeds: int = 2):
-    from gradlab.integrations.verl_audit import synthetic_batches
+    from gradlab.integrations.audit.verl import synthetic_batches
 
     return {pol: synthetic_batches(seeds, pol == "off") for pol in ("on", "off")}
 
 
 @needs_verl
 def test_every_option_row_is_produced_and_finite():
-    from gradlab.integrations import verl as _  # noqa: F401  (registers verl's losses)
-    from gradlab.integrations import verl_audit_options as vo
+    import gradlab.integrations.verl  # noqa: F401  (registers verl's losses)
+    from gradlab.integrations.audit import verl_options as vo
 
     b = _batches()
     rows = {o.name: vo.option_row(b, o) for o in vo.OPTIONS}
@@ -57,7 +57,7 @@ def test_every_option_row_is_produced_and_finite():
 
 @needs_verl
 def test_check_catches_a_correction_of_the_wrong_sign():
-    from gradlab.integrations import verl_audit_options as vo
+    from gradlab.integrations.audit import verl_options as vo
 
     def flipped(**kw):  # injected bug: log(π_rollout/π_train) instead of log(π_train/π_rollout)
         kw["old_log_prob"], kw["rollout_log_prob"] = kw["rollout_log_prob"], kw["old_log_prob"]
@@ -75,7 +75,7 @@ def test_documented_weights_by_hand():
     import torch
 
     from gradlab.core.batch import TokenBatch
-    from gradlab.integrations import verl_audit_options as vo
+    from gradlab.integrations.audit import verl_options as vo
 
     m = torch.tensor([[True, True, False]])
     z = torch.zeros(1, 3, dtype=torch.float64)
@@ -91,7 +91,7 @@ def test_documented_weights_by_hand():
 
 @needs_verl
 def test_cli_options_table_and_provenance(tmp_path):
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     assert main(["audit", "verl", "--quick", "--options", "--seeds", "1", "--out",
                  str(tmp_path)]) == 0

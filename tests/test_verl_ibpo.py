@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from verl_child import run_in_verl_env
 from tolerance import assert_close_f32
+from verl_child import run_in_verl_env
 
 EXTERNAL = "gradlab.integrations.verl"
 try:
@@ -86,7 +86,7 @@ def test_import_registers_every_estimator_and_the_hooks():
     if EXTERNAL in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","):
         assert REGISTERED_BY_VERL_IMPORT  # verl's own import of its external modules did it
     import gradlab.integrations.verl  # noqa: F401
-    from gradlab.integrations import verl_ibpo as vi
+    from gradlab.integrations.verl import ibpo as vi
 
     names = vi.estimator_names()
     assert len(names) == 9 and "gradlab_ibpo:togo:sqrt" in names
@@ -101,7 +101,7 @@ def test_import_registers_every_estimator_and_the_hooks():
 
 @needs_verl
 def test_after_import_hook_runs_on_a_real_import(tmp_path, monkeypatch):
-    from gradlab.integrations import verl_ibpo as vi
+    from gradlab.integrations.verl import ibpo as vi
 
     (tmp_path / "gl_probe_mod.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -122,7 +122,7 @@ def test_estimator_equals_process_advantages(by_std):
     on the same batch, bitwise; returns = advantages; 0 off the mask."""
     import gradlab
     from gradlab.core.credit import reward_scale
-    from gradlab.integrations.verl_ibpo import advantage_inputs
+    from gradlab.integrations.verl.ibpo import advantage_inputs
 
     b, R, tlr, uid = _verl_batch(seed=1)
     labels = {u: k for k, u in enumerate(dict.fromkeys(uid.tolist()))}
@@ -147,7 +147,7 @@ def test_estimator_equals_process_advantages(by_std):
 def test_ga_without_shared_tokens_is_verls_grpo(by_std):
     """Independent check: when every row of a group starts with its own token, form ga is
     verl's GRPO advantage (its own compute_grpo_outcome_advantage) on every token."""
-    from gradlab.integrations.verl_ibpo import advantage_inputs
+    from gradlab.integrations.verl.ibpo import advantage_inputs
 
     b, R, tlr, uid = _verl_batch(seed=2, G=4)
     tokens = b.tokens.clone()
@@ -170,7 +170,7 @@ def test_through_verls_own_compute_advantage():
     gets the batch's responses; verl's function alone cannot give them (clear error)."""
     from verl import DataProto
 
-    from gradlab.integrations import verl_ibpo as vi
+    from gradlab.integrations.verl import ibpo as vi
 
     compute_advantage = _verl_compute_advantage()
     b, R, tlr, uid = _verl_batch(seed=3)
@@ -198,7 +198,7 @@ def test_through_verls_own_compute_advantage():
 
 @needs_verl
 def test_clear_errors():
-    from gradlab.integrations.verl_ibpo import advantage_inputs
+    from gradlab.integrations.verl.ibpo import advantage_inputs
 
     b, R, tlr, uid = _verl_batch(seed=4)
     fn = core_algos.get_adv_estimator_fn("gradlab_ibpo:la")

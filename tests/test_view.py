@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import gradlab
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.loop.config import RunConfig
 from gradlab.loop.train import train
 

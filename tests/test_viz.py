@@ -199,7 +199,7 @@ def test_node_residual_of_a_tied_group_is_undefined():
 def test_table_prints_an_undefined_rho_as_a_dash_with_its_reason(capsys):
     """`gradlab table`: IBPO gives full-group tokens no credit (W ≡ 0 there), so its full-group ρ
     is undefined — "—" with the reason, never 0; GRPO's is a number."""
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     assert main(["table", "--G", "4"]) == 0
     out = capsys.readouterr().out

@@ -30,8 +30,8 @@ from trl.trainer import grpo_trainer as _grpo_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gradlab.integrations.trl import ROW_KEY, GradlabConfig, GradlabGRPOTrainer  # noqa: E402
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet  # noqa: E402
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, make_trainer, quiet  # noqa: E402
+from gradlab.integrations.trl.trainer import ROW_KEY, GradlabConfig, GradlabGRPOTrainer  # noqa: E402
 
 G = 8
 LAYOUT = 2  # the loss-call split is the one two processes make

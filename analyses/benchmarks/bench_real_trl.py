@@ -123,7 +123,7 @@ def run_loop(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]
 def child(a: argparse.Namespace) -> dict:
     import torch
 
-    from gradlab.integrations.trl_audit import quiet
+    from gradlab.integrations.audit.trl import quiet
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, quiet():

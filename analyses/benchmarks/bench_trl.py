@@ -37,8 +37,8 @@ from transformers import TrainerCallback
 
 import gradlab.loop.train as gl_train
 from gradlab import jsonio
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.integrations.trl import GradlabConfig
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.loop.config import RunConfig
 from gradlab.loop.runs.store import load_run
 

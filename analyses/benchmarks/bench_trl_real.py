@@ -84,8 +84,8 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
+    from gradlab.integrations.audit.trl import WORKLOADS, dataset_and_reward, grpo_args
     from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
-    from gradlab.integrations.trl_audit import WORKLOADS, dataset_and_reward, grpo_args
     from gradlab.loop.setup.policy import load_policy
 
     class Clock(TrainerCallback):
@@ -120,7 +120,7 @@ def child(a: argparse.Namespace) -> dict:
     """One runner in this process: per-rollout times, steps/s over rollouts 2..R, memory."""
     import torch
 
-    from gradlab.integrations.trl_audit import quiet
+    from gradlab.integrations.audit.trl import quiet
 
     torch.set_num_threads(1)
     start: list[float] = []

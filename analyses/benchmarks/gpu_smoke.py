@@ -49,7 +49,7 @@ def build(out: str | Path, small: bool = False, seed: int = 0) -> Path:
 
 def run(model_dir: str, out: str, extra: list[str]) -> dict:
     """One `gradlab tandem` in this process; prints and returns the summary figures."""
-    from gradlab.cli import build_parser, config_from_args
+    from gradlab.cli.main import build_parser, config_from_args
     from gradlab.loop.runs.store import load_run
     from gradlab.loop.train import train
 

@@ -20,8 +20,8 @@ import tempfile
 
 import torch
 
+from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, make_trainer, quiet
 from gradlab.integrations.trl import GradlabConfig
-from gradlab.integrations.trl_audit import WORKLOADS, grpo_args, make_trainer, quiet
 
 
 def measure(loss_type: str, k: int, workload: str, gens: int, seed: int) -> dict:

@@ -4,7 +4,7 @@ search index as a script for pages opened from disk.
 
 The CLI page holds the marker `<!-- gradlab:cli -->`; at build time it is replaced by the help
 text that `gradlab <command> --help` prints, for every sub-command the parser in
-gradlab/cli.py defines (sub-commands added later appear without editing the docs).
+gradlab/cli/main.py defines (sub-commands added later appear without editing the docs).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- gradlab:cli -->"
-# sub-commands one level further down that dispatch to their own parser (gradlab/cli.py: _delegate)
+# sub-commands one level further down that dispatch to their own parser (gradlab/cli/main.py: _delegate)
 NESTED = [["audit", "verl"]]
 
 
 def _help(argv: list[str]) -> str:
     """What `gradlab ARGV --help` prints (argparse exits 0 after printing)."""
-    from gradlab.cli import main
+    from gradlab.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -38,7 +38,7 @@ def _subcommands() -> list[tuple[str, str]]:
     """(name, one-line help) of every sub-command of `gradlab`, in the parser's order."""
     import argparse
 
-    from gradlab.cli import build_parser
+    from gradlab.cli.main import build_parser
 
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .userloss import UserLossError, load_loss
 from . import variants
 from .batch import TokenBatch
 from .losses import Objective, _f
+from .userloss import UserLossError, load_loss
 
 _LOADED: dict[tuple, object] = {}  # (spec, file mtime) → function: a spec loads once per edit
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gradlab.cli import main
+from gradlab.cli.main import main
 
 from .helpers import RUN, STEPS
 

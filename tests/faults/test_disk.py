@@ -12,7 +12,7 @@ import shlex
 import pytest
 
 import gradlab
-from gradlab.cli import main
+from gradlab.cli.main import main
 
 from .helpers import (
     RUN,

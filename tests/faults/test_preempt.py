@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gradlab.cli import main
+from gradlab.cli.main import main
 
 from .helpers import (
     RUN,

@@ -7,7 +7,7 @@ import signal
 import time
 
 import gradlab
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.viz.html import watch
 
 from .helpers import RUN, STEPS, gradlab_cmd, popen, wait_lines

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gradlab
-from gradlab.cli import main
+from gradlab.cli.main import main
 
 from .helpers import ENV, RUN, STEPS, assert_same_run, ckpt_step, wait_lines
 

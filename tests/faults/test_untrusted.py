@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from gradlab.cli import main
+from gradlab.cli.main import main
 from gradlab.loop.setup.policy import DEFAULT_POLICY_DIR
 
 from .helpers import ENV, RUN

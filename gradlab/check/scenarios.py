@@ -5,7 +5,7 @@ log-probs that depend only on the history (as a real policy's do), so shared tok
 identical log-probs across the group; `REGIMES` names the settings of it that each expose one
 way a loss can break cancellation. `measure_modulation` reads W = −∂loss/∂logps the way a
 backward hook on the log-prob tensor does; `measure_on_model`, `optimizer_step_on` and
-`loop_step_on` do the same on a real model's rollout. `gradlab check` (gradlab/check.py) and
+`loop_step_on` do the same on a real model's rollout. `gradlab check` (gradlab/check/run.py) and
 the assertions of `gradlab.testing`, which re-exports every name here, are built on them.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .core.batch import TokenBatch, advantages
+from ..core.batch import TokenBatch, advantages
 
 
 def _history_values(tokens: Tensor, mask: Tensor, gen: torch.Generator, scale: float,
@@ -101,7 +101,7 @@ REGIMES: dict[str, dict] = {
 # --------------------------------------------------------------------------- real models
 def _rows_logps(model, rollout, rows: Tensor, temperature: float) -> Tensor:
     """(R, T) log-probs of the rollout's responses on `rows` (R,) under `model` at temperature."""
-    from .loop.numerics.logprobs import token_logps
+    from ..loop.numerics.logprobs import token_logps
 
     return token_logps(model, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
                        rollout.response_ids[rows], rollout.response_mask[rows], temperature)
@@ -117,7 +117,7 @@ def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
     Runs token_logps → loss_fn(batch) → backward, so parameter .grad is touched (zeroed after).
     Returns (W (R, T) float32, the TokenBatch with detached logps).
     """
-    from .probes import ModulationProbe
+    from ..probes import ModulationProbe
 
     logps = _rows_logps(model, rollout, rows, temperature)  # (R, T)
     batch = rollout.token_batch(logps, adv, rows)
@@ -151,7 +151,7 @@ TRAINING_DEFAULTS = ("lr", "weight_decay", "grad_clip", "temperature", "adv_scal
 def training_defaults() -> dict:
     """{lr, weight_decay, grad_clip, temperature, adv_scale} of `RunConfig()`, read at call time
     (so a changed default, or a monkeypatched `gradlab.loop.config.RunConfig`, shows)."""
-    from .loop import config
+    from ..loop import config
 
     cfg = config.RunConfig()
     return {k: getattr(cfg, k) for k in TRAINING_DEFAULTS}

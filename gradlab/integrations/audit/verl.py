@@ -19,7 +19,7 @@ the accumulated gradient is), mean over batches. Workloads: gradlab's synthetic 
 
     gradlab audit verl [--quick] [--options] [--out DIR] [--seeds N]
 
---options adds the rows of `verl_audit_options` (verl's rollout correction: IS weights and
+--options adds the rows of `verl_options` (verl's rollout correction: IS weights and
 rejection sampling, against an emulated rollout engine) on vanilla / token-mean; every run
 writes verl_audit.json beside the tables (command, provenance, seconds).
 """
@@ -33,13 +33,13 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .verl_audit_setup import MICRO, N_GROUPS, G, actor_config, micro_rows  # noqa: F401
+from .verl_setup import MICRO, N_GROUPS, G, actor_config, micro_rows  # noqa: F401
 
 if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option is answered at once
     import pandas as pd
     import torch
 
-    from ..core.batch import TokenBatch
+    from ...core.batch import TokenBatch
 
 SITUATIONS = (("on", "whole", "engine"), ("off", "whole", "engine"), ("on", "split", "engine"),
               ("on", "split", "local"), ("off", "split", "local"))
@@ -52,7 +52,7 @@ def run_mini_batch(batch: TokenBatch, loss_mode: str, agg: str, parts: list[torc
     copy of the log-probs), as verl's actor does; returns the last call's metrics dict."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from .verl import micro_batch
+    from ..verl.losses import micro_batch
 
     cfg = actor_config(loss_mode, rollout_n)
     if normaliser == "engine":  # verl's engine: totals of the whole mini-batch (dp_size 1)
@@ -76,7 +76,7 @@ def run_mini_batch(batch: TokenBatch, loss_mode: str, agg: str, parts: list[torc
 
 def synthetic_batches(seeds: int, off: bool) -> list[TokenBatch]:
     """gradlab's synthetic groups: N_GROUPS × G rows, T = 16, shared 3-token prefix."""
-    from ..testing import random_batch
+    from ...testing import random_batch
 
     return [random_batch(n_groups=N_GROUPS, G=G, T=16, seed=s, off_policy=0.3 if off else 0.0)
             for s in range(seeds)]
@@ -88,13 +88,13 @@ def tiny_model_batches(seeds: int, off: bool) -> list[TokenBatch]:
     reward; off-policy = log-probs after one AdamW step (lr 2e-4, the loop's) on another rollout."""
     import torch
 
-    from ..core import objectives
-    from ..core.batch import TokenBatch, advantages
-    from ..loop.numerics.logprobs import token_logps
-    from ..loop.rollouts.rollout import generate
-    from ..loop.setup.policy import load_policy
-    from ..loop.setup.task import ArithmeticTask
-    from ..testing import optimizer_step_on
+    from ...core import objectives
+    from ...core.batch import TokenBatch, advantages
+    from ...loop.numerics.logprobs import token_logps
+    from ...loop.rollouts.rollout import generate
+    from ...loop.setup.policy import load_policy
+    from ...loop.setup.task import ArithmeticTask
+    from ...testing import optimizer_step_on
 
     task, out = ArithmeticTask(difficulty=3), []
     for s in range(seeds):
@@ -161,10 +161,10 @@ def audit_row(batches: dict, mode: str, agg: str) -> dict:
 def run_audit(quick: bool = False, seeds: int = 4, log=print,
               options: bool = False) -> pd.DataFrame:
     """Long table: one row per (workload, loss_mode, loss_agg_mode); with options, the option
-    rows of `verl_audit_options` too (column "option" set)."""
+    rows of `verl_options` too (column "option" set)."""
     import pandas as pd
 
-    from . import verl as gv
+    from ..verl import losses as gv
 
     modes = list(QUICK_MODES) if quick else gv.base_losses()
     dfpo = ["gradlab_dfpo:vanilla", "gradlab_dfpo:gspo"]
@@ -180,7 +180,7 @@ def run_audit(quick: bool = False, seeds: int = 4, log=print,
         log(f"  {wl}: {len(modes) + len(dfpo)} modes × {len(gv.AGG_MODES)} aggregations in "
             f"{time.perf_counter() - t0:.1f} s")
     if options:
-        from .verl_audit_options import run_options
+        from .verl_options import run_options
 
         rows += run_options(every, quick, log)
     return pd.DataFrame(rows)
@@ -198,7 +198,7 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
     """One markdown table per workload."""
     import pandas as pd
 
-    from .verl_audit_options import OPTIONS_NOTE, options_markdown
+    from .verl_options import OPTIONS_NOTE, options_markdown
 
     opts = df[df["option"].notna()] if "option" in df else df.iloc[:0]
     df = df[df["option"].isna()] if "option" in df else df
@@ -237,7 +237,7 @@ def to_markdown(df: pd.DataFrame, command: str, findings: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_args import Parser  # one-line errors, as every gradlab command
+    from ...cli.args import Parser  # one-line errors, as every gradlab command
 
     p = Parser(prog="gradlab audit verl", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--findings", default=None, help="markdown file appended under the table")
     a = p.parse_args(argv)
     try:
-        from . import verl  # noqa: F401
+        from .. import verl  # noqa: F401
     except ImportError as e:
         print(f"gradlab audit verl: {e.name} is not importable: pip install 'gradlab[verl]' "
               "(or the --no-deps overlay of .ci/run on PYTHONPATH)")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     md = to_markdown(df, cmd, findings)
     (out / "verl_audit.md").write_text(md)
     print(md)
-    from ..provenance import write_in_process
+    from ...provenance import write_in_process
 
     secs = time.perf_counter() - t0
     write_in_process(out / "verl_audit.json", cmd, secs)

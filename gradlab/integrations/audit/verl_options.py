@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-    from ..core.batch import TokenBatch
+    from ...core.batch import TokenBatch
 
 BASE = ("vanilla", "token-mean")
 NOISE_SIGMA = 0.5  # nats: the emulated engine's log-prob error per token
@@ -125,7 +125,7 @@ def run_option(b: TokenBatch, opt: Option, policy_split: bool, seed: int,
     mini-batch with the option's correction; returns (W (B, T), kept mask (B, T))."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from .verl_audit_setup import actor_config, micro_rows
+    from .verl_setup import actor_config, micro_rows
 
     weights, keep = correction(b, opt, seed, helper)
     cfg = actor_config(BASE[0])
@@ -160,11 +160,11 @@ def check_on_policy(b: TokenBatch, W: torch.Tensor, keep: torch.Tensor, opt: Opt
 
 def option_row(batches: dict, opt: Option, helper=None) -> dict:
     """Mean mini-batch ρ (full-group, trie) per situation, split share, dropped tokens."""
-    from ..core.batch import split_share
-    from ..core.cancellation import cancellation
-    from ..core.nodes import shared_nodes
-    from ..probes.residuals import defined_ratio
-    from .verl_audit_setup import micro_rows
+    from ...core.batch import split_share
+    from ...core.cancellation import cancellation
+    from ...core.nodes import shared_nodes
+    from ...probes.residuals import defined_ratio
+    from .verl_setup import micro_rows
 
     row = {"option": opt.name, "loss_mode": BASE[0], "loss_agg_mode": BASE[1]}
     for pol, grouping in SITUATIONS:

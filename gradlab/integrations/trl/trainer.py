@@ -25,7 +25,7 @@ is a multiple of num_generations; a group cut anyway (e.g. across processes) rai
 
 IBPO: `GradlabConfig(loss="ibpo[form=togo]")` replaces TRL's (B,) advantages of each training
 generation batch by (B, T) IBPO token advantages from the rewards TRL computed (captured from
-`_calculate_rewards`) and the completion ids, per reconstructed group (`trl_ibpo`); TRL's own
+`_calculate_rewards`) and the completion ids, per reconstructed group (`ibpo.py`); TRL's own
 `_compute_loss` runs on them and the hook measures its W. Not with DFPO.
 
 Several processes (torchrun, accelerate; DDP): the hook reads each process's loss before the
@@ -47,20 +47,20 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.trainer import grpo_trainer as _grpo_module
 
-from ..core.batch import TokenBatch
-from ..core.dfpo import SCOPES, TRANSFORMS
-from ..core.nodes import NODE_KINDS
-from ..instruments import InstrumentSet, resolve
-from ..instruments.manifest import write_manifest
-from ..instruments.window import OFFERED as WINDOW_GIVES
-from ..instruments.window import WindowView, measure_window
-from ..loop.runs.store import RunStore
-from ..loop.runs.traces import trace_window
-from ..probes import DFPOGradientTransform, ModulationProbe
-from .trl_ibpo import IBPOLoss, check_trainer, local_advantages, parse_loss
-from .trl_resume import ResumeMixin, open_store
-from .trl_tax import TRLTaxProbe, check_tax
-from .trl_window import (  # noqa: F401  (public here too)
+from ...core.batch import TokenBatch
+from ...core.dfpo import SCOPES, TRANSFORMS
+from ...core.nodes import NODE_KINDS
+from ...instruments import InstrumentSet, resolve
+from ...instruments.manifest import write_manifest
+from ...instruments.window import OFFERED as WINDOW_GIVES
+from ...instruments.window import WindowView, measure_window
+from ...loop.runs.store import RunStore
+from ...loop.runs.traces import trace_window
+from ...probes import DFPOGradientTransform, ModulationProbe
+from .ibpo import IBPOLoss, check_trainer, local_advantages, parse_loss
+from .resume import ResumeMixin, open_store
+from .tax import TRLTaxProbe, check_tax
+from .window import (  # noqa: F401  (public here too)
     GROUP_KEY,
     ROW_KEY,
     Window,
@@ -90,9 +90,9 @@ class GradlabConfig:
     trace_every, trace_groups: token traces (gradlab.load_traces) of every k-th measured window
         for that many groups, in the run store (0 = none).
     loss: None (TRL's GRPO advantages) or "ibpo[form=..., reweight=..., scale=...]": IBPO token
-        advantages fed to TRL's loss (module doc; `gradlab.integrations.trl_ibpo`).
+        advantages fed to TRL's loss (module doc; `gradlab.integrations.trl.ibpo`).
     tax_every: the learning tax ‖g_tax‖/‖g‖ on every k-th optimizer step of a measured window
-        (0 = off; one extra forward + backward over the nodes' rows: `gradlab.integrations.trl_tax`).
+        (0 = off; one extra forward + backward over the nodes' rows: `gradlab.integrations.trl.tax`).
     instruments: more instruments run on every measured window, a spec string
         (`gradlab.instruments.resolve`: "my.mod:Spread@2"; the loop's own objects, on the
         window's W and batch), logged as `gradlab/<metric>` and drawn by `gradlab view`.

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 from verl.trainer.ppo import core_algos
 
-from ..core.credit import FORMS, process_advantages, reward_scale
+from ...core.credit import FORMS, process_advantages, reward_scale
 
 PREFIX = "gradlab_ibpo"
 VERL_EPS = 1e-6  # verl's GRPO: (R − mean) / (std + 1e-6)
@@ -106,7 +106,7 @@ def ibpo_advantage(token_level_rewards: Tensor, response_mask: Tensor, index=Non
     resp = responses if responses is not None else getattr(_state, "responses", None)
     if resp is None:
         raise ValueError(f"{who}: no response token ids; verl passes none to an estimator: call it "
-                         "inside gradlab.integrations.verl_ibpo.advantage_inputs(responses) or "
+                         "inside gradlab.integrations.verl.ibpo.advantage_inputs(responses) or "
                          "through gradlab_compute_advantage (installed by importing "
                          "gradlab.integrations.verl)")
     if tuple(resp.shape) != tuple(response_mask.shape):

@@ -19,7 +19,11 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from .cli_args import (
+# torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
+from ..core.variants import split_top
+from ..loop.config import ConfigError, RunConfig, check_types
+from ..loop.runs.resume import given_options, read_config, with_stored_config
+from .args import (
     Parser,
     _audit_args,
     _check_args,
@@ -32,13 +36,7 @@ from .cli_args import (
     failure_code,
     load_check_reference,
 )
-
-# torch-free imports only: `gradlab --help`, `--version` and argument errors never load torch
-from .core.variants import split_top
-from .loop.config import ConfigError, RunConfig, check_types
-from .loop.runs.resume import given_options, read_config, with_stored_config
-
-from .cli_help import HELP  # noqa: E402  (every run option's --help text)
+from .help import HELP  # noqa: E402  (every run option's --help text)
 
 # run/tandem/reproduce defaults that differ from RunConfig's (none at present)
 CLI_DEFAULTS: dict = {}
@@ -117,7 +115,7 @@ def config_from_args(a: argparse.Namespace, objectives: list[str] | None = None)
 def _checked_config(a: argparse.Namespace) -> RunConfig:
     """RunConfig from the options (validated), the task file, the device and --model checked:
     before any work, torch-free up to the device and model checks."""
-    from .cli_args import check_context, check_device, check_model, check_policy, check_task_file
+    from .args import check_context, check_device, check_model, check_policy, check_task_file
 
     check_task_file(a.task)  # a bad line is the first thing to fix, before the other options
     if not a.resume:  # a resumed run's model and length are the stored ones: checked below
@@ -138,7 +136,7 @@ def _checked_config(a: argparse.Namespace) -> RunConfig:
 def _stop_signals(a: argparse.Namespace) -> None:
     """The program (not main([...]) in a notebook or test) ignores a late signal once stopped:
     only the exit is left. Set after the checks, where torch loads anyway."""
-    from .loop.faults.preempt import StopSignals
+    from ..loop.faults.preempt import StopSignals
 
     StopSignals.ignore_after_stop = getattr(a, "program", False)
 
@@ -147,13 +145,13 @@ def _stop_signals(a: argparse.Namespace) -> None:
 def cmd_train(a: argparse.Namespace) -> int:
     cfg = _checked_config(a)  # before the heavy imports: a mistake is answered at once
     if not a.resume and (Path(cfg.out) / "metrics.jsonl").is_file():  # a re-run: said at once
-        from .loop.scale.dist import restart_count
+        from ..loop.scale.dist import restart_count
 
         if restart_count() == 0:  # (a job torchrun restarted resumes by itself)
             raise ConfigError(f"--out {cfg.out} already holds a run: pass --resume to continue "
                               "it, or choose another --out")
-    from .loop.train import train
-    from .viz.summary import write_run_summary
+    from ..loop.train import train
+    from ..viz.summary import write_run_summary
 
     _stop_signals(a)
 
@@ -178,15 +176,15 @@ def _reproduce_args(p: Parser) -> None:
 def cmd_reproduce(a: argparse.Namespace) -> int:
     cfg = _checked_config(a)  # before the heavy imports: a mistake is answered at once
     ref = load_check_reference(a)  # a bad file or option: refused before any work
-    from .loop.recipes.reproduce import reproduce
-    from .viz.summary import run_table
+    from ..loop.recipes.reproduce import reproduce
+    from ..viz.summary import run_table
 
     _stop_signals(a)
 
     if ref is not None or a.save_reference:  # loop/recipes/reproduce.py
         from dataclasses import replace
 
-        from .loop.recipes.reproduce import check_against, reference_folder, save_reference
+        from ..loop.recipes.reproduce import check_against, reference_folder, save_reference
 
         typed = given_options(build_parser(), a.argv)
         if ref is not None:
@@ -205,7 +203,7 @@ def cmd_reproduce(a: argparse.Namespace) -> int:
 @command("eval", "score a run, a checkpoint or a model on the held-out set: greedy, sampled and "
          "the exact expected accuracy", _eval_args)
 def cmd_eval(a: argparse.Namespace) -> int:
-    from .cli_args import run_eval
+    from .args import run_eval
 
     return run_eval(a)
 
@@ -216,16 +214,16 @@ IBPO_ROWS = ["ibpo[form=la]", "ibpo[form=togo]", "ibpo[form=ga+la,base=gspo]"]
 @command("table", "ρ of every objective on synthetic groups", _table_args)
 def cmd_table(a: argparse.Namespace) -> int:
     """Cancellation ratio of every built-in objective on synthetic groups (no model needed)."""
-    from .cli_args import require
+    from .args import require
 
     require("G", a.G, a.G >= 2, "≥ 2 (a group needs two responses to compare)")
     require("seed", a.seed, a.seed >= 0, "≥ 0")
     require("off-policy", a.off_policy, 0 < a.off_policy <= 10, "in (0, 10]")
-    from .core import objectives
-    from .core.cancellation import cancellation
-    from .probes.residuals import defined_ratio
-    from .scenarios import random_batch
-    from .viz.undefined import NO_GRAD_SHARED, NO_NODE, Footnotes
+    from ..check.scenarios import random_batch
+    from ..core import objectives
+    from ..core.cancellation import cancellation
+    from ..probes.residuals import defined_ratio
+    from ..viz.undefined import NO_GRAD_SHARED, NO_NODE, Footnotes
 
     notes = Footnotes()  # an undefined ρ (no node, or W ≡ 0 at the nodes: IBPO's prefix) is —
     print("| objective | policy | ρ full-group | ρ trie |\n|---|---|---|---|")
@@ -248,7 +246,7 @@ def cmd_table(a: argparse.Namespace) -> int:
 @command("instruments", "what a training step can measure: instruments and presets")
 def cmd_instruments(a: argparse.Namespace) -> int:
     """One line per registered instrument (phase, needs, cost) and the presets."""
-    from .instruments import PRESETS, available
+    from ..instruments import PRESETS, available
 
     print("| instrument | phase | needs | cost |\n|---|---|---|---|")
     for name, cls in available().items():
@@ -261,11 +259,11 @@ def cmd_instruments(a: argparse.Namespace) -> int:
 
 @command("view", "one self-contained HTML page of a run (curves, token strips)", _view_args)
 def cmd_view(a: argparse.Namespace) -> int:
-    from .cli_args import check_run_folder, require
+    from .args import check_run_folder, require
 
     require("watch", a.watch, a.watch >= 0, "≥ 0 seconds (0 = write once)")
     check_run_folder(a.run, need_metrics=not a.watch)
-    from .viz.html import view, watch
+    from ..viz.html import view, watch
 
     if a.watch:
         try:
@@ -299,15 +297,15 @@ class _Version(argparse.Action):
 @command("variance", "gradient noise of each objective at a fixed policy", _variance_args)
 def cmd_variance(a: argparse.Namespace) -> int:
     """Gradient noise of each objective at a fixed policy: OUT/variance.csv, variance.png, summary.md."""
-    from .cli_args import check_variance_args
+    from .args import check_variance_args
 
     names = check_variance_args(a)
 
-    from .loop.faults.atomic import write_file
-    from .loop.recipes.variance import measure_variance
-    from .viz.curves import save
-    from .viz.summary import variance_table
-    from .viz.variance import variance_figure
+    from ..loop.faults.atomic import write_file
+    from ..loop.recipes.variance import measure_variance
+    from ..viz.curves import save
+    from ..viz.summary import variance_table
+    from ..viz.variance import variance_figure
 
     df = measure_variance(names, task=a.task, K=a.K, reference_batches=a.reference_batches,
                           prompts=a.prompts, G=a.G, checkpoint=a.checkpoint, seed=a.seed,
@@ -329,10 +327,10 @@ def cmd_check(a: argparse.Namespace) -> int:
     if a.baseline and not a.update and not Path(a.baseline).is_file():  # before torch loads
         raise ConfigError(f"--baseline: {a.baseline} does not exist (--update writes a new one)")
     if a.loss:  # its form, file or module, before torch loads (loading it is core/userloss.py's)
-        from .cli_args import check_loss_spec
+        from .args import check_loss_spec
 
         check_loss_spec(a.loss)
-    from .check import run_checked
+    from ..check.run import run_checked
 
     return run_checked(a)
 
@@ -341,15 +339,15 @@ def cmd_check(a: argparse.Namespace) -> int:
 def cmd_audit(a: argparse.Namespace) -> int:
     import importlib
 
-    module = {"trl": "gradlab.integrations.trl_audit", "verl": "gradlab.integrations.verl_audit"}
-    argv = (["trl"] if a.trainer == "trl" else []) + a.rest  # trl_audit names its trainer itself
+    module = {"trl": "gradlab.integrations.audit.trl", "verl": "gradlab.integrations.audit.verl"}
+    argv = (["trl"] if a.trainer == "trl" else []) + a.rest  # the TRL audit names its trainer itself
     return importlib.import_module(module[a.trainer]).main(argv)
 
 
 @command("doctor", "check that gradlab works on this machine (device, bf16, W exactness, a "
          "training step); prints a Markdown report", _doctor_args)
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from .cli_args import check_doctor_args
+    from .args import check_doctor_args
 
     check_doctor_args(a)  # before torch loads
     from .doctor import run_doctor

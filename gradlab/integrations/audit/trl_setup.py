@@ -42,7 +42,7 @@ def dataset_and_reward(workload: Workload, n: int, seed: int = 0):
     """(datasets.Dataset of n prompts, a TRL reward function) for a workload."""
     from datasets import Dataset
 
-    from ..loop.setup.task import ArithmeticTask, Problem
+    from ...loop.setup.task import ArithmeticTask, Problem
 
     task = ArithmeticTask(difficulty=workload.difficulty)
     probs = task.problems(n, seed=seed)
@@ -68,7 +68,7 @@ def grpo_args(loss_type: str, level: str, spg: int, steps: int, out_dir: str, *,
     cispo (TRL's recommendation); `extra` overrides."""
     from trl import GRPOConfig
 
-    from ..loop.setup.task import ArithmeticTask
+    from ...loop.setup.task import ArithmeticTask
 
     kw = dict(  # noqa: C408 (keyword style mirrors GRPOConfig)
         output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
@@ -92,8 +92,8 @@ def make_trainer(args, workload: Workload, gradlab=None, instrumented: bool = Tr
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
-    from ..loop.setup.policy import load_policy
-    from .trl import GradlabGRPOTrainer
+    from ...loop.setup.policy import load_policy
+    from ..trl.trainer import GradlabGRPOTrainer
 
     model, tok = load_policy()
     ds, reward = dataset_and_reward(workload, n_prompts, seed=args.seed)
@@ -133,7 +133,7 @@ def quiet():
 
 def closed_form(loss_type: str, level: str, args):
     """gradlab's closed-form objective for a TRL setting, or None where gradlab has none."""
-    from ..core import objectives
+    from ...core import objectives
 
     eps = (args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon)
     if level == "sequence":
@@ -147,9 +147,9 @@ def closed_form(loss_type: str, level: str, args):
 
 def pool_windows(windows: list, objective=None) -> dict[str, float]:
     """ρ's pooled over windows (Σ|d| / Σ|W|), split share, closed-form ρ and attribution."""
-    from ..core.cancellation import attribution_sums, cancellation
-    from ..core.nodes import shared_nodes
-    from .trl import split_share, stepwise_residual
+    from ...core.cancellation import attribution_sums, cancellation
+    from ...core.nodes import shared_nodes
+    from ..trl.trainer import split_share, stepwise_residual
 
     acc = dict.fromkeys(("res", "mass", "res_step", "res_trie", "mass_trie", "res_cf", "mass_cf"), 0.0)
     shares, split = dict.fromkeys(("coupling", "length", "clip", "residual"), 0.0), []

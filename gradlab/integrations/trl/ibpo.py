@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core import variants
-from ..core.batch import ADVANTAGE_SCALES
-from ..core.credit import FORMS, REWEIGHTS, process_advantages, reward_scale
-from .trl_window import reconstruct_groups
+from ...core import variants
+from ...core.batch import ADVANTAGE_SCALES
+from ...core.credit import FORMS, REWEIGHTS, process_advantages, reward_scale
+from .window import reconstruct_groups
 
 TRL_EPS = 1e-4  # TRL's (R − mean) / (std + 1e-4)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import jsonio
+from .. import jsonio
 
 # the working precision per source: synthetic batches are float64, the model's W float32
 EPS = {"synthetic": float(torch.finfo(torch.float64).eps),
@@ -68,7 +68,7 @@ def fingerprint(threads: int) -> dict:
     builds, and the intra-op threads the check computes with."""
     import transformers
 
-    from .provenance import cpu_model
+    from ..provenance import cpu_model
 
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "transformers": transformers.__version__,
@@ -78,7 +78,7 @@ def fingerprint(threads: int) -> dict:
 def code_hash(skip: Path) -> str:
     """`provenance.code_hash` without the file `skip` (the baseline itself, which is package
     data: writing it must not change the hash it records)."""
-    from .provenance import code_hash as package_hash
+    from ..provenance import code_hash as package_hash
 
     return package_hash(skip)
 
@@ -86,7 +86,7 @@ def code_hash(skip: Path) -> str:
 def environment() -> dict:
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "gradlab": __version__,
@@ -340,7 +340,7 @@ def read_baseline(path: Path | None, update: bool) -> dict:
 def baseline_dict(results: list, now: dict, tol: dict, model_setup: dict, seeds) -> dict:
     """The baseline file's content: machine fingerprint, code hash (recorded, not matched),
     rollout hash and training settings of the model scenarios, ρ and W per scenario."""
-    from .provenance import git_state
+    from ..provenance import git_state
 
     return {"gradlab_check": 2, "environment": environment(), "fingerprint": now["fingerprint"],
             "code_hash": now["code_hash"], "commit": git_state()["commit"], "tolerance": tol,

@@ -13,9 +13,9 @@ import json
 import logging
 import os
 
-from .. import jsonio
-from ..loop.runs.lock import RunInUseError
-from ..loop.runs.store import RunStore
+from ... import jsonio
+from ...loop.runs.lock import RunInUseError
+from ...loop.runs.store import RunStore
 
 log = logging.getLogger("gradlab")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core import objectives
-from ..core.batch import TokenBatch
-from ..core.dfpo import node_map, transform_weights
+from ...core import objectives
+from ...core.batch import TokenBatch
+from ...core.dfpo import node_map, transform_weights
 
 
 def row_advantages(advantages: Tensor, mask: Tensor, strict: bool, who: str) -> Tensor:

@@ -11,7 +11,7 @@ clip. Writes trl_audit.csv and trl_audit.md into --out (default figures/).
 
     gradlab audit trl [--quick] [--options] [--out DIR] [--workload lengths|arithmetic|both]
 
---options adds the rows of `trl_audit_options` (TRL options that mask or reweight tokens, the
+--options adds the rows of `trl_options` (TRL options that mask or reweight tokens, the
 emulated vLLM importance-sampling corrections, steps_per_generation) on the dapo loss; every
 run writes trl_audit.json beside the tables (command, provenance, seconds).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .trl_audit_setup import (  # noqa: F401  (public here too)
+from .trl_setup import (  # noqa: F401  (public here too)
     GSPO_EPS,
     OFF_SPG,
     WORKLOADS,
@@ -49,7 +49,7 @@ LEVELS = ("token", "sequence")
 def audit_setting(loss_type: str, level: str, off: bool, workload: Workload, gens: int,
                   dfpo: str | None = None, seed: int = 0) -> dict:
     """Run one TRL setting for `gens` generation batches; pooled figures as a dict."""
-    from .trl import GradlabConfig
+    from ..trl.trainer import GradlabConfig
 
     spg = OFF_SPG if off else 1
     with tempfile.TemporaryDirectory() as tmp, quiet():
@@ -100,7 +100,7 @@ def _num(x: float) -> str:
 
 def to_markdown(df: pd.DataFrame, command: str) -> str:
     """One markdown table per workload: on- and off-policy side by side."""
-    from .trl_audit_options import OPTIONS_NOTE, options_markdown
+    from .trl_options import OPTIONS_NOTE, options_markdown
 
     out = [f"<!-- made by: {command} -->", ""]
     key = ["workload", "loss_type", "level", "dfpo"]
@@ -142,8 +142,8 @@ def to_markdown(df: pd.DataFrame, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli_args import Parser  # one-line errors, as every gradlab command
-    from ..provenance import write_in_process
+    from ...cli.args import Parser  # one-line errors, as every gradlab command
+    from ...provenance import write_in_process
 
     p = Parser(prog="gradlab audit", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     df = run_audit(a.quick, wls, a.seed)
     if a.options:
-        from .trl_audit_options import run_options
+        from .trl_options import run_options
 
         df = pd.concat([df, pd.DataFrame(run_options(a.quick, wls, a.seed))], ignore_index=True)
     out = Path(a.out)

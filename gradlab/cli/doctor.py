@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .core import objectives
-from .core.batch import advantages
-from .loop.numerics.logprobs import token_logps
-from .loop.numerics.precision import (
+from ..core import objectives
+from ..core.batch import advantages
+from ..loop.numerics.logprobs import token_logps
+from ..loop.numerics.precision import (
     AMP_GRAD_COS,
     AMP_LOGP_ATOL,
     AMP_LOGP_MEAN,
@@ -43,7 +43,7 @@ from .loop.numerics.precision import (
     autocast,
     bf16_autocast_ok,
 )
-from .probes import ModulationProbe
+from ..probes import ModulationProbe
 
 OBJECTIVES = ("grpo", "gspo", "dfpo-min")  # token ratio, sequence ratio, a within-group transform
 CPU_DEVICE_RTOL = 1e-4  # float32 CPU against float32 CUDA: kernel rounding (W L1, gradient)
@@ -92,9 +92,9 @@ def tiny_case(device: str = "cpu", prompts: int = 4, G: int = 4, seed: int = 0,
     """The shipped tiny policy on `device`, `prompts` × G responses sampled on the CPU with
     hashed noise (the same tokens on every device), then every weight moved by `shift` × a
     seeded normal draw (the same on every device)."""
-    from .loop.rollouts.rollout import generate
-    from .loop.setup.policy import load_policy
-    from .loop.setup.task import ArithmeticTask
+    from ..loop.rollouts.rollout import generate
+    from ..loop.setup.policy import load_policy
+    from ..loop.setup.task import ArithmeticTask
 
     task = ArithmeticTask()
     model, tok = load_policy(None, task=task)
@@ -179,8 +179,8 @@ def check_loop(device: str, amp: bool) -> Check:
     """A one-step tandem (gspo, dfpo-min) in a temporary folder: finite metrics."""
     import gradlab
 
-    from .loop.config import RunConfig
-    from .loop.train import train
+    from ..loop.config import RunConfig
+    from ..loop.train import train
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -264,7 +264,7 @@ def report(checks: list[Check], facts: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     # one definition of the options, shared with `gradlab doctor`
-    from .cli_args import Parser, _doctor_args
+    from .args import Parser, _doctor_args
 
     p = Parser(prog="gradlab doctor", description="Check that gradlab works on this machine "
                "(device, bf16 autocast, W exactness, amp bounds, a training step) and print a "

@@ -1,5 +1,5 @@
 """The options of the `gradlab` sub-commands other than run/tandem/reproduce (whose options are
-RunConfig's fields, gradlab/cli.py), and the argument checks that need the file system or torch.
+RunConfig's fields, gradlab/cli/main.py), and the argument checks that need the file system or torch.
 
 Each check raises `ConfigError` with one line naming the option and its valid values; the CLI
 prints it and exits 2. They run before any work (no model is loaded, nothing is written).
@@ -17,8 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from .core.variants import split_top
-from .loop.config import ConfigError, check_model_files, check_objective_names
+from ..core.variants import split_top
+from ..loop.config import ConfigError, check_model_files, check_objective_names
 
 
 def _table_args(p: argparse.ArgumentParser) -> None:
@@ -115,8 +115,8 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_doctor_args(a: argparse.Namespace) -> None:
-    """`gradlab doctor`'s options, before torch loads (gradlab/doctor.py checks them again
-    for `python -m gradlab.doctor`)."""
+    """`gradlab doctor`'s options, before torch loads (gradlab/cli/doctor.py checks them again
+    for `python -m gradlab.cli.doctor`)."""
     if not (a.device in ("auto", "cpu", "cuda") or (a.device.startswith("cuda:")
                                                     and a.device[5:].isdigit())):
         raise ConfigError(f"--device: {a.device!r}; valid: auto, cpu, cuda, cuda:N")
@@ -178,7 +178,7 @@ def check_model(path: str | None, trust_remote_code: bool = False, option: str =
 
 
 # the shipped tiny policies (every task's warm start shares their configuration)
-TINY_POLICY = Path(__file__).resolve().parent / "data" / "default_policy"
+TINY_POLICY = Path(__file__).resolve().parent.parent / "data" / "default_policy"
 
 
 def check_policy(task: str, difficulty: int, model: str | None) -> None:
@@ -187,7 +187,7 @@ def check_policy(task: str, difficulty: int, model: str | None) -> None:
     naming the file and how to restore it, before any work. Torch-free."""
     if model is not None:
         return
-    from .loop.setup.shipped import check_shipped_policy
+    from ..loop.setup.shipped import check_shipped_policy
 
     key = {"arithmetic": f"arithmetic-d{difficulty}", "scaffold": "scaffold-t4"}
     check_shipped_policy(key.get(task, "arithmetic-d2"))  # a JSONL task: the default policy
@@ -198,7 +198,7 @@ def model_context(model: str | None) -> int | None:
     """The context length in tokens of model folder `model` (None: gradlab's tiny policies),
     read from its config.json (a multimodal model's text_config); None where it names none."""
     if model is None:  # a missing shipped file is named as such, not as a bad --model
-        from .loop.setup.shipped import check_shipped_policy
+        from ..loop.setup.shipped import check_shipped_policy
 
         check_shipped_policy()
     data = _model_config(str(model or TINY_POLICY), "--model")
@@ -221,14 +221,14 @@ def check_context(max_new_tokens: int | None, model: str | None) -> None:
 def check_task_file(task: str | None) -> None:
     """A JSONL --task is read once here, so a bad line is named before any other option."""
     if task and task.endswith(".jsonl") and Path(task).is_file():
-        from .loop.setup.task import JsonlTask
+        from ..loop.setup.task import JsonlTask
 
         JsonlTask(task)  # TaskFileError: one line naming the file and line
 
 
 def check_run_folder(run: str, need_metrics: bool = True) -> None:
     """A run folder with a readable config.json and (unless watching) some metrics."""
-    from .loop.runs.resume import read_config
+    from ..loop.runs.resume import read_config
 
     path = Path(run)
     if not path.is_dir():
@@ -273,7 +273,7 @@ def check_variance_args(a: argparse.Namespace) -> list[str]:
     if not names:
         raise ConfigError("--objectives: give at least one objective")
     check_objective_names(names)  # torch-free; the parameters are checked next, by building
-    from .core import objectives
+    from ..core import objectives
 
     for name in names:
         try:
@@ -295,7 +295,7 @@ class Parser(argparse.ArgumentParser):
 
 
 # the main job's reference bands (gradlab/loop/recipes/reference.py), named without importing it
-REFERENCE = str(Path(__file__).resolve().parent / "data" / "reproduce_reference.json")
+REFERENCE = str(Path(__file__).resolve().parent.parent / "data" / "reproduce_reference.json")
 
 
 def add_check_arg(p: argparse.ArgumentParser) -> None:
@@ -342,7 +342,7 @@ def load_check_reference(a: argparse.Namespace) -> dict | None:
         return None
     if not Path(a.check).is_file():  # before scipy loads
         raise ConfigError(f"--check: no reference at {a.check}")
-    from .loop.recipes.reference import load_reference
+    from ..loop.recipes.reference import load_reference
 
     try:
         return load_reference(a.check)
@@ -378,7 +378,7 @@ def run_eval(a: argparse.Namespace) -> int:
     require("temperature", a.temperature, a.temperature > 0, "> 0")
     if not Path(a.path).exists():
         raise ConfigError(f"{a.path}: no such run, checkpoint or model folder")
-    from .loop.recipes.evaluation import evaluate_path, targets
+    from ..loop.recipes.evaluation import evaluate_path, targets
 
     targets(a.path, a.objective, a.task)  # torch-free: a wrong folder or option at once
 
@@ -403,8 +403,8 @@ def failure_code(e: Exception, args: argparse.Namespace) -> int | None:
     """The exit code of a loop failure `e` after printing its line; None for anything else.
     A failure class is looked up only where its module is loaded (one that is not loaded
     raised nothing), so the argument checks before it never import torch."""
-    from .loop.faults.atomic import EXIT_WRITE, WriteError
-    from .loop.runs.resume import CorruptFileError
+    from ..loop.faults.atomic import EXIT_WRITE, WriteError
+    from ..loop.runs.resume import CorruptFileError
 
     preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (
         "loop.faults.preempt", "loop.faults.guard", "core.userloss"))

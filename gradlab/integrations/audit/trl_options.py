@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .trl import GradlabConfig, GradlabGRPOTrainer
-from .trl_audit_setup import OFF_SPG, Workload, grpo_args, make_trainer, pool_windows, quiet
+from ..trl.trainer import GradlabConfig, GradlabGRPOTrainer
+from .trl_setup import OFF_SPG, Workload, grpo_args, make_trainer, pool_windows, quiet
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -212,7 +212,7 @@ def run_options(quick: bool, workloads: tuple[str, ...], seed: int = 0, log=prin
     """Rows (on- and off-policy) of every option (QUICK subset with quick) per workload."""
     import time
 
-    from .trl_audit_setup import WORKLOADS
+    from .trl_setup import WORKLOADS
 
     gens_on, gens_off = (2, 1) if quick else (6, 3)
     opts = [o for o in OPTIONS if not quick or o.name in QUICK]

@@ -21,7 +21,7 @@ exchangeable objectives cancel (ρ ≈ 0), non-exchangeable ones do not (ρ > 0)
 equals the closed form; (2) the committed baseline `gradlab/data/check_baseline.json`: ρ and
 W itself per scenario (a compact exact record of W: a rescaled, sign-flipped or masked gradient
 is seen, "W scaled ×2.00" names a consistent rescale), and per source the mean signed Δρ. The
-baseline records the machine it was made on (`gradlab.check_baseline`): there every number must
+baseline records the machine it was made on (`gradlab.check.baseline`): there every number must
 agree to round-off (16 ulps of float64 synthetic, float32 model); on another machine tolerances
 apply, and the output says which. A sampled rollout that differs on another machine skips the
 model scenarios' baseline comparison (said; invariants still checked); on the same machine it
@@ -61,11 +61,11 @@ from pathlib import Path
 
 import torch
 
-from . import check_baseline as cb
-from .core.userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
+from ..core.userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
+from . import baseline as cb
 from .scenarios import REGIMES
 
-BASELINE = Path(__file__).parent / "data" / "check_baseline.json"
+BASELINE = Path(__file__).parent.parent / "data" / "check_baseline.json"
 SEEDS = (0, 1, 2)
 COLUMNS = ("on", "near", "far", "on-eq", "close", "model-on", "model-off")
 # the synthetic regimes: scenarios.REGIMES and one near GSPO's tight clip, so its bounds are seen
@@ -188,7 +188,7 @@ NO_GRADIENT = "no gradient at the shared tokens (W ≡ 0 there)"
 def _rhos(W, batch) -> tuple[float, float, str | None, str | None]:
     """ρ prefix, ρ trie (NaN where undefined) and why each is undefined (no node, or W ≡ 0 at
     the nodes: nothing to cancel), None where it is defined."""
-    from .core.cancellation import cancellation
+    from ..core.cancellation import cancellation
 
     if not bool(torch.isfinite(W[batch.mask]).all()):  # check_invariants names a non-finite W
         return float("nan"), float("nan"), None, None
@@ -233,11 +233,11 @@ class ModelSteps:
 
 
 def model_steps() -> ModelSteps:
-    from .core import objectives
-    from .core.batch import advantages
-    from .loop.rollouts.rollout import generate
-    from .loop.setup.policy import load_policy
-    from .loop.setup.task import ArithmeticTask
+    from ..core import objectives
+    from ..core.batch import advantages
+    from ..loop.rollouts.rollout import generate
+    from ..loop.setup.policy import load_policy
+    from ..loop.setup.task import ArithmeticTask
     from .scenarios import loop_step_on, training_defaults
 
     tr = training_defaults()
@@ -367,7 +367,7 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     # one definition of the options, shared with `gradlab check`
-    from .cli_args import Parser, _check_args
+    from ..cli.args import Parser, _check_args
 
     p = Parser(prog="gradlab check", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,7 +13,7 @@ verl selects one with `actor_rollout_ref.actor.policy_loss.loss_mode=gradlab_mea
 module must be imported in every worker: `VERL_USE_EXTERNAL_MODULES=gradlab.integrations.verl`.
 It also registers the IBPO advantage estimators `gradlab_ibpo[:<form>[:sqrt]]`
 (`algorithm.adv_estimator=gradlab_ibpo:togo`) and feeds them the response token ids, which verl
-does not pass to an estimator: `gradlab.integrations.verl_ibpo`.
+does not pass to an estimator: `gradlab.integrations.verl.ibpo`.
 
 What verl does not pass: a policy loss receives (old_log_prob, log_prob, advantages,
 response_mask, loss_agg_mode, config, rollout_is_weights), all (B, T), and no token ids or group
@@ -24,7 +24,7 @@ ids; shared-token nodes need both. The caller supplies them for each loss call w
 
 (uid: verl's per-prompt id, any hashable per row; `last` closes the mini-batch, whose figures are
 then added under `gradlab/mini/*`). Importing this module does that for verl's actor: it routes
-verl's `ppo_loss` through `verl_actor.gradlab_ppo_loss`, which reads them from the micro-batch.
+verl's `ppo_loss` through `actor.gradlab_ppo_loss`, which reads them from the micro-batch.
 Called some other way, without it, the gradlab losses raise a one-line error.
 
 How W is read — *our choice*: verl logs the metrics dict before the backward, so a hook (which
@@ -53,12 +53,12 @@ import torch
 from torch import Tensor
 from verl.trainer.ppo import core_algos
 
-from ..core.batch import TokenBatch, group_index, split_share
-from ..core.dfpo import SCOPES, TRANSFORMS
-from ..core.nodes import NODE_KINDS
-from ..instruments import InstrumentSet, Residual, resolve
-from ..instruments.window import OFFERED as WINDOW_GIVES
-from ..instruments.window import WindowView, measure_window
+from ...core.batch import TokenBatch, group_index, split_share
+from ...core.dfpo import SCOPES, TRANSFORMS
+from ...core.nodes import NODE_KINDS
+from ...instruments import InstrumentSet, Residual, resolve
+from ...instruments.window import OFFERED as WINDOW_GIVES
+from ...instruments.window import WindowView, measure_window
 
 MEASURE, DFPO = "gradlab_measure", "gradlab_dfpo"
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -151,9 +151,7 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 
 
 # ----------------------------------------------------------------------------- pure helpers
-from .verl_parts import _global_totals, closed_form, dfpo_delta, row_advantages  # noqa: E402,F401
-
-
+from .parts import _global_totals, closed_form, dfpo_delta, row_advantages  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- the loss calls
 
@@ -345,8 +343,8 @@ def base_losses() -> list[str]:
 for _base in base_losses():
     register(_base)
 
-from .verl_actor import install as _install  # noqa: E402 (needs the names above)
-from .verl_ibpo import install as _install_ibpo  # noqa: E402
+from .actor import install as _install  # noqa: E402 (needs the names above)
+from .ibpo import install as _install_ibpo  # noqa: E402
 
-_install(sys.modules[__name__])  # verl's actor loss → gradlab_ppo_loss, which supplies micro_batch(...) (verl_actor)
-_install_ibpo()  # the gradlab_ibpo advantage estimators and their token-id feed (verl_ibpo)
+_install(sys.modules[__name__])  # verl's actor loss → gradlab_ppo_loss, which supplies micro_batch(...) (actor.py)
+_install_ibpo()  # the gradlab_ibpo advantage estimators and their token-id feed (ibpo.py)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core.batch import TokenBatch, group_index, split_share
-from ..core.nodes import SharedNodes
-from ..instruments import Residual
-from ..instruments.window import WindowView, measure_window
+from ...core.batch import TokenBatch, group_index, split_share
+from ...core.nodes import SharedNodes
+from ...instruments import Residual
+from ...instruments.window import WindowView, measure_window
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
 

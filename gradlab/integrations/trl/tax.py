@@ -30,10 +30,10 @@ import time
 import torch
 from torch import Tensor
 
-from ..core.batch import TokenBatch
-from ..core.nodes import shared_nodes
-from ..instruments import Tax, reduce_readings
-from ..probes.tax import layer_groups, residual_grad_outputs, tax_grads, tax_report
+from ...core.batch import TokenBatch
+from ...core.nodes import shared_nodes
+from ...instruments import Tax, reduce_readings
+from ...probes.tax import layer_groups, residual_grad_outputs, tax_grads, tax_report
 
 FIGURES = ("tax_share", "tax_cos", "tax_norm", "total_norm")
 
