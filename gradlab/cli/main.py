@@ -245,12 +245,17 @@ def cmd_table(a: argparse.Namespace) -> int:
 
 @command("instruments", "what a training step can measure: instruments and presets")
 def cmd_instruments(a: argparse.Namespace) -> int:
-    """One line per registered instrument (phase, needs, cost) and the presets."""
+    """One line per registered instrument (what it writes, phase, needs, cost, the hosts that
+    run it and why not the others) and the presets."""
     from ..instruments import PRESETS, available
+    from ..instruments.host import hosts
 
-    print("| instrument | phase | needs | cost |\n|---|---|---|---|")
+    print("| instrument | writes | phase | needs | cost | hosts |\n|---|---|---|---|---|---|")
     for name, cls in available().items():
-        print(f"| {name} | {cls.phase} | {', '.join(sorted(cls.needs))} | {cls.cost} |")
+        ok, why = hosts(cls.needs)
+        where = ", ".join(ok) + "".join(f"; not {h}: {w}" for h, w in why.items())
+        print(f"| {name} | {', '.join(cls.writes) or '—'} | {cls.phase} | "
+              f"{', '.join(sorted(cls.needs))} | {cls.cost} | {where} |")
     print("\npresets (@k: every k-th step; 5 = --tax-every):")
     for name, items in PRESETS.items():
         print(f"  {name}: {', '.join(f'{n}@{k}' for n, k in items) or 'nothing'}")

@@ -30,10 +30,13 @@ from .schedule import Schedule
 NEEDS = {
     "W": "(B, T) measured modulation W = −∂loss/∂log π of the step (all hosts)",
     "batch": "the step's TokenBatch (B, T): tokens, mask, log-probs, advantages, groups (all hosts)",
-    "objective": "the trained objective, with a closed form (gradlab's loop)",
-    "entropy": "(B, T) token entropy, nats (gradlab's loop)",
-    "model": "forwards of the policy before and after the optimizer step (gradlab's loop)",
-    "grads": "the step's accumulated gradient, summed over ranks (gradlab's loop)",
+    "objective": "the trained objective's closed form (gradlab's loop; TRL's and verl's losses "
+                 "gradlab has a closed form of)",
+    "entropy": "(B, T) token entropy, nats (gradlab's loop, TRL)",
+    "model": "forwards of the policy before and after the optimizer step (gradlab's loop, TRL)",
+    "grads": "the step's accumulated gradient, summed over ranks (gradlab's loop, TRL)",
+    "others": "the other objectives of a tandem, for their closed forms on this batch (gradlab's "
+              "loop, same-batch mode)",
 }
 
 
@@ -123,6 +126,7 @@ class Instrument:
     phase: ClassVar[str] = "step"  # "step": reads the step's W; "update": around opt.step()
     cost: ClassVar[str] = "cheap"  # "cheap": no forward; "forward": extra forwards/backwards
     curves: ClassVar[tuple[tuple[str, str], ...]] = ()  # (metric, title) `gradlab view` draws
+    writes: ClassVar[tuple[str, ...]] = ()  # the metrics it reports (`gradlab instruments`)
 
     def __init__(self, schedule: Schedule | None = None) -> None:
         self.schedule = schedule if schedule is not None else Schedule()

@@ -29,7 +29,7 @@ from .forwards import (
 
 # the hosts gradlab runs in, and the needs (`NEEDS`) each gives
 HOSTS: dict[str, frozenset[str]] = {
-    "loop": frozenset({"W", "batch", "objective", "entropy", "model", "grads"}),
+    "loop": frozenset({"W", "batch", "objective", "entropy", "model", "grads", "others"}),
     "trl": frozenset({"W", "batch", "objective", "entropy", "model", "grads"}),
     "verl": frozenset({"W", "batch", "objective"}),
 }
@@ -38,7 +38,21 @@ MISSING = {
     ("verl", "model"): "verl's policy loss sees log-probs, not the model",
     ("verl", "grads"): "verl's policy loss runs before the backward",
     ("verl", "entropy"): "verl's policy loss receives no entropy",
+    ("trl", "others"): "one objective per trainer: no tandem to compare on the same batch",
+    ("verl", "others"): "one objective per trainer: no tandem to compare on the same batch",
 }
+
+
+def hosts(needs: frozenset[str] | set[str]) -> tuple[list[str], dict[str, str]]:
+    """(the hosts that give every need in `needs`, {other host: why not})."""
+    ok, why = [], {}
+    for host, gives in HOSTS.items():
+        missing = sorted(set(needs) - gives)
+        if missing:
+            why[host] = "; ".join(MISSING.get((host, m), f"no {m}") for m in missing)
+        else:
+            ok.append(host)
+    return ok, why
 
 
 @dataclass
