@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
 def _long_help(cmd: str, argv: list[str]) -> int:
     import importlib
 
-    return importlib.import_module(f"gradlab.{cmd}").main(argv)
+    module = {"check": "gradlab.check.run", "doctor": "gradlab.cli.doctor"}[cmd]
+    return importlib.import_module(module).main(argv)
 
 
 def _run(args: argparse.Namespace, program: bool) -> int:
