@@ -403,7 +403,7 @@ def failure_code(e: Exception, args: argparse.Namespace) -> int | None:
     """The exit code of a loop failure `e` after printing its line; None for anything else.
     A failure class is looked up only where its module is loaded (one that is not loaded
     raised nothing), so the argument checks before it never import torch."""
-    from ..loop.faults.atomic import EXIT_WRITE, WriteError
+    from ..atomic import EXIT_WRITE, WriteError
     from ..loop.runs.resume import CorruptFileError
 
     preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (

@@ -301,7 +301,7 @@ def cmd_variance(a: argparse.Namespace) -> int:
 
     names = check_variance_args(a)
 
-    from ..loop.faults.atomic import write_file
+    from ..atomic import write_file
     from ..loop.recipes.variance import measure_variance
     from ..viz.curves import save
     from ..viz.summary import variance_table
