@@ -14,10 +14,10 @@ from ...core.batch import TokenBatch
 from ...core.nodes import SharedNodes
 from ...probes import layer_groups
 from ...probes.drift import kl_nodes, kl_rows
-from ...probes.fisher import context_logprobs_fn, float64_meter, kl_and_fisher
+from ...probes.fisher import float64_meter, kl_and_fisher
 from ...probes.tax import residual_grad_outputs, tax_grads, tax_report
 from ..config import RunConfig
-from ..numerics.logprobs import context_logprobs, token_logps
+from ..numerics.logprobs import context_logprobs, context_logprobs_fn, token_logps
 from ..numerics.precision import amp_context
 from ..rollouts.rollout import Rollout
 
