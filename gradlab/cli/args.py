@@ -59,7 +59,9 @@ def _variance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
 
 
-def _check_args(p: argparse.ArgumentParser) -> None:
+def regression_check_options(p: argparse.ArgumentParser) -> None:
+    """Add the options of `gradlab check` to `p` (the one definition: `python -m gradlab.check`
+    parses the same)."""
     p.add_argument("--update", action="store_true", help="rewrite the baseline (ρ and W per "
                    "scenario, with this machine's fingerprint)")
     p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
