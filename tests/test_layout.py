@@ -15,6 +15,7 @@ Run as a script (`python tests/test_layout.py`) it prints every finding at once.
 
 import ast
 import importlib
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -317,6 +318,18 @@ def test_old_loop_paths_import_the_moved_module(name):
     assert old is new and old.__spec__.name == new.__name__
     assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message)
                for w in caught)
+
+
+@pytest.mark.parametrize("cmd", ["check", "doctor"])
+def test_the_long_help_of_a_command_finds_its_module(cmd, capsys):
+    """`gradlab check --help` and `gradlab doctor --help` print their module's help (the module
+    path follows the folders); `python -m gradlab.check` has its entry point."""
+    from gradlab.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0 and f"usage: gradlab {cmd}" in capsys.readouterr().out
+    assert importlib.util.find_spec("gradlab.check.__main__") is not None
 
 
 def test_package_data_found_from_the_sub_packages():

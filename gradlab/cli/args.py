@@ -60,8 +60,8 @@ def _variance_args(p: argparse.ArgumentParser) -> None:
 
 
 def regression_check_options(p: argparse.ArgumentParser) -> None:
-    """Add the options of `gradlab check` to `p` (the one definition: `python -m gradlab.check`
-    parses the same)."""
+    """Add the options of `gradlab check` to `p` (the one definition: the long help of
+    `gradlab check --help`, gradlab.check.run's parser, uses it too)."""
     p.add_argument("--update", action="store_true", help="rewrite the baseline (ρ and W per "
                    "scenario, with this machine's fingerprint)")
     p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "

@@ -393,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+LONG_HELP = {"check": "gradlab.check.run", "doctor": "gradlab.cli.doctor"}  # command → its module
+
+
 def _long_help(cmd: str, argv: list[str]) -> int:
     import importlib
 
-    return importlib.import_module(f"gradlab.{cmd}").main(argv)
+    return importlib.import_module(LONG_HELP[cmd]).main(argv)
 
 
 def _run(args: argparse.Namespace, program: bool) -> int:
