@@ -16,7 +16,7 @@ import torch
 from ..core.batch import TokenBatch
 from ..core.nodes import SharedNodes
 from ..probes.drift import kl_nodes, kl_rows
-from ..probes.fisher import context_logprobs_fn, float64_meter, kl_and_fisher
+from ..probes.fisher import float64_meter, kl_and_fisher
 from ..probes.tax import layer_groups, residual_grad_outputs, tax_grads, tax_report
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -32,7 +32,9 @@ class Policy:
     token_logps(model, *inputs, temperature) -> (k, t) log π of the sampled tokens, with
     gradient: the host's own forward, the one its loss differentiates (the learning tax's ∇l).
     context_logprobs(model, *inputs, row, pos, temperature) yields (start, (c, V)) next-token
-    log-softmax at chosen contexts (`gradlab.loop.numerics.logprobs.context_logprobs`).
+    log-softmax at chosen contexts (`gradlab.loop.numerics.logprobs.context_logprobs`);
+    context_logprobs_fn(model, *inputs, row, pos, temperature) -> f(params) -> (c, V), the same
+    as a function of the parameters (Prop. 3.1's forward-mode pass).
     temperature: the loss's. chunk: rows per extra forward (None: all at once).
     autocast: the host's precision context around each forward."""
 
@@ -40,6 +42,7 @@ class Policy:
     inputs: Callable[[torch.Tensor, int | None], Inputs]
     token_logps: Callable[..., torch.Tensor]
     context_logprobs: Callable[..., Iterator[tuple[int, torch.Tensor]]]
+    context_logprobs_fn: Callable[..., Callable]
     temperature: float = 1.0
     chunk: int | None = None
     autocast: Callable[[], AbstractContextManager] = field(default=nullcontext)
@@ -194,7 +197,7 @@ def fisher_at_nodes(policy: Policy, sn: SharedNodes, before: dict[str, torch.Ten
     kept = kl_nodes(sn.n, 1, cap).to(sn.rep.device)  # (K,) node indices
     reps = torch.unique(sn.rep[kept])
     t_max = int(sn.position[kept].max()) + 1
-    f = context_logprobs_fn(meter, *policy.inputs(reps, t_max), torch.searchsorted(reps, sn.rep[kept]),
+    f = policy.context_logprobs_fn(meter, *policy.inputs(reps, t_max), torch.searchsorted(reps, sn.rep[kept]),
                             sn.position[kept], policy.temperature)
     res = kl_and_fisher(f, theta, after, {"delta": delta})
     return {"kl": res["kl"], "half_fisher": res["half_delta"]}

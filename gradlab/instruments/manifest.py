@@ -15,7 +15,7 @@ NAME = "instruments.json"
 
 def write_manifest(run: str | Path, instruments: list[Instrument]) -> Path:
     """Write `instruments.json` into the run folder `run`; returns its path."""
-    from ..loop.faults.atomic import write_file
+    from ..atomic import write_file
 
     rows = [{"name": i.name, "class": f"{type(i).__module__}:{type(i).__qualname__}",
              "every": i.schedule.every, "start": i.schedule.start, "first": i.schedule.first,

@@ -5,7 +5,7 @@ A step's data flow (docs/architecture.md draws it):
     setup (task, policy) → rollouts (groups) → core.batch (TokenBatch) → update (loss, W, tax,
     drift) → update.metrics → runs (store, traces) → viz and `gradlab view`
 
-    faults/     bad input, non-finite steps, durable writes, exit codes, pre-emption
+    faults/     bad input, non-finite steps, exit codes, pre-emption
     config.py   RunConfig: every option of a run, validated
     numerics/   log-probs through the model's own forward, precision, attention and dropout
     rollouts/   the sampler and the independent, tree and repair layouts
@@ -33,8 +33,8 @@ LAYERS = ("faults", "config", "numerics", "rollouts", "setup", "scale", "runs", 
           "train", "recipes")
 
 # module of the flat layout → the package it lives in now
-MOVED = {
-    **dict.fromkeys(("errors", "untrusted", "guard", "atomic", "exitcodes", "preempt"), "faults"),
+_PACKAGE_OF = {
+    **dict.fromkeys(("errors", "untrusted", "guard", "exitcodes", "preempt"), "faults"),
     **dict.fromkeys(("logprobs", "precision", "arch"), "numerics"),
     **dict.fromkeys(("rollout", "tree", "repair", "layouts"), "rollouts"),
     **dict.fromkeys(("task", "heldout", "policy", "selfcheck", "realmodel", "archsweep"), "setup"),
@@ -43,6 +43,9 @@ MOVED = {
     **dict.fromkeys(("step", "metrics", "probeset"), "update"),
     **dict.fromkeys(("reproduce", "reference", "evaluation", "variance", "prop31"), "recipes"),
 }
+# module of the flat layout → its module now (durable writes serve all of gradlab: gradlab.atomic)
+MOVED = {leaf: f"{__name__}.{pkg}.{leaf}" for leaf, pkg in _PACKAGE_OF.items()}
+MOVED["atomic"] = "gradlab.atomic"
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -57,7 +60,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         leaf = spec.name.rpartition(".")[2]
-        new = f"{__name__}.{MOVED[leaf]}.{leaf}"
+        new = MOVED[leaf]
         warnings.warn(f"{spec.name} moved to {new}; the old path is removed in the next release",
                       DeprecationWarning, stacklevel=2)
         module = importlib.import_module(new)

@@ -22,8 +22,8 @@ from pathlib import Path
 import pandas as pd
 
 from .. import jsonio
+from ..atomic import write_file
 from ..instruments.manifest import manifest_curves
-from ..loop.faults.atomic import write_file
 from .curves import CURVES, plt, training_curves
 from .runs import run_title
 

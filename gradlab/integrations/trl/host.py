@@ -19,7 +19,7 @@ from ...core import objectives
 from ...core.batch import TokenBatch
 from ...instruments.forwards import Policy
 from ...instruments.host import HostView
-from ...loop.numerics.logprobs import context_logprobs
+from ...loop.numerics.logprobs import context_logprobs, context_logprobs_fn
 
 
 def closed_form(loss_type: str, level: str, args):
@@ -70,6 +70,7 @@ def trl_policy(trainer, gen: dict, rows: Tensor) -> Policy:
 
     return Policy(model=trainer.accelerator.unwrap_model(trainer.model), inputs=inputs,
                   token_logps=token_logps, context_logprobs=context_logprobs,
+                  context_logprobs_fn=context_logprobs_fn,
                   temperature=trainer.temperature, chunk=trainer.args.per_device_train_batch_size)
 
 

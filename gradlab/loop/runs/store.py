@@ -17,7 +17,7 @@ whose denominator is 0) is `null` in its record, with its reason under the recor
 crash mid-write) is skipped and logged; a corrupt line anywhere else is an error naming the
 file and line (never a silent deletion).
 
-Durability (loop/faults/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
+Durability (gradlab/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
 are fsynced and renamed; metrics lines are appended whole (a failed append is cut back); a
 checkpoint is written whole under checkpoints/<objective>.tmp and swapped in, the previous one
 deleted only after that. A write that fails raises `WriteError` (exit code 4) naming the path.
@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ... import jsonio
-from ..faults.atomic import append_line, fsync_dir, fsync_file, remove, write_file, writing
+from ...atomic import append_line, fsync_dir, fsync_file, remove, write_file, writing
 from .lock import acquire
 from .resume import CorruptFileError, check_resume_config, read_config
 
@@ -274,7 +274,7 @@ def _unflatten_optimizer(flat: dict, meta: dict) -> dict:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    write_file(path, text)  # temp name, fsync, rename (loop/faults/atomic.py)
+    write_file(path, text)  # temp name, fsync, rename (gradlab/atomic.py)
 
 
 def _jsonable(rec: dict) -> dict:

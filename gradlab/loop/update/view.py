@@ -29,7 +29,7 @@ from ...instruments.forwards import Policy
 from ...instruments.host import HOSTS, HostView
 from ...probes.tax import reduce_tax
 from ..config import RunConfig
-from ..numerics.logprobs import context_logprobs, token_logps
+from ..numerics.logprobs import context_logprobs, context_logprobs_fn, token_logps
 from ..numerics.precision import amp_context
 from ..rollouts.rollout import Rollout
 from ..scale.dist import Dist, unwrap
@@ -49,7 +49,8 @@ def loop_policy(model: torch.nn.Module, cfg: RunConfig, rollout: Rollout,
                 rollout.response_mask[r, cut])
 
     return Policy(model=unwrap(model), inputs=inputs, token_logps=token_logps,
-                  context_logprobs=context_logprobs, temperature=cfg.temperature,
+                  context_logprobs=context_logprobs,
+                  context_logprobs_fn=context_logprobs_fn, temperature=cfg.temperature,
                   chunk=cfg.micro_batch, autocast=lambda: amp_context(cfg))
 
 
