@@ -448,7 +448,11 @@ def test_token_advantages_are_measured_as_the_loss_used_them():
 def test_default_instruments_and_the_refusals():
     """verl runs the `cheap` preset unless told; an update-phase instrument is refused at
     `use_instruments` in one line saying why verl cannot give its needs (`MISSING`)."""
+    from gradlab.instruments import Instrument
     from gradlab.instruments.host import MISSING
+
+    class AroundStep(Instrument):
+        name, phase = "around_step", "update"
 
     gv, _ = _setup()
     assert gv.INSTRUMENTS.names == ["modulation", "residual"]
@@ -460,6 +464,9 @@ def test_default_instruments_and_the_refusals():
             assert gv.INSTRUMENTS.names == ["modulation", "residual"]  # unchanged
         with pytest.raises(ValueError, match=MISSING[("verl", "grads")]):
             gv.use_instruments("tax")
+        with pytest.raises(ValueError, match="instrument 'around_step' runs around the optimizer "
+                           "step .*verl's policy loss runs before the backward"):
+            gv.use_instruments([AroundStep()])  # its needs verl gives, its phase it cannot
         assert gv.use_instruments("off").names == []
     finally:
         gv.use_instruments(None)

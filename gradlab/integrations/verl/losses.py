@@ -91,9 +91,9 @@ DEFAULT = "cheap"  # modulation (w_dev, w_max) and residual (ρ) on every mini-b
 INSTRUMENTS = InstrumentSet()
 
 
-def use_instruments(spec: str | None = None) -> InstrumentSet:
-    """Run these instruments (a `gradlab.instruments.resolve` spec; None or "": the `cheap`
-    preset, "off": none) on every mini-batch's `HostView`, reported as `gradlab/<metric>` under
+def use_instruments(spec: str | list | None = None) -> InstrumentSet:
+    """Run these instruments (a `gradlab.instruments.resolve` spec or list; None or "": the
+    `cheap` preset, "off": none) on every mini-batch's `HostView`, reported as `gradlab/<metric>` under
     the loop's names; `@k` counts mini-batches. An instrument that needs what verl's actor does
     not give (`HOSTS["verl"]`: the model, the gradient, entropy) is refused here, in one line.
     The workers read GRADLAB_INSTRUMENTS on import."""
@@ -105,6 +105,10 @@ def use_instruments(spec: str | None = None) -> InstrumentSet:
             why = "; ".join(MISSING.get(("verl", n), f"verl gives no {n}") for n in missing)
             raise ValueError(f"instrument {inst.name!r} needs {', '.join(missing)}, which verl's "
                              f"actor does not give: {why}")
+        if inst.phase != "step":
+            raise ValueError(f"instrument {inst.name!r} runs around the optimizer step (phase "
+                             f"{inst.phase!r}); verl's policy loss runs before the backward and "
+                             "sees no optimizer step")
     INSTRUMENTS = chosen
     return chosen
 
