@@ -312,7 +312,7 @@ def _manifest(folder: Path):
 def _reasons(rec: dict, manifest=None) -> dict[str, str]:
     """Why each non-finite float of one record is undefined: the cause read from the record's
     sums and counts (`gradlab.viz.undefined.step_reason`: no node, every group tied, ...), else
-    the reason the run's manifest (`instruments.json`; default: the built-in rules') gives;
+    the reason the run's manifest (`instruments.json`) gives, else the built-in rules';
     a value neither explains keeps jsonio's ("not a number")."""
     from ...viz.undefined import NOT_MEASURED, step_reason
 
@@ -321,7 +321,8 @@ def _reasons(rec: dict, manifest=None) -> dict[str, str]:
     for k, v in rec.items():
         if isinstance(v, float) and math.isnan(v):  # ±inf: jsonio's "infinite"
             why = step_reason(rec, k)
-            why = why if why not in (None, NOT_MEASURED) else manifest.undefined(k)
+            if why in (None, NOT_MEASURED):
+                why = manifest.undefined(k) or _declared().undefined(k)
             if why:
                 out[k] = why
     return out
