@@ -1,8 +1,10 @@
 """What gradlab's loop records itself, as declared rules like an instrument's quantities:
 rollout (reward, accuracy, length, solution forms), groups (split, tied), tokens (entropy,
 advantages, an objective's per-token stats) and the rollout layout. The loop's step metrics
-turn its sums into these metrics (`gradlab.loop.update.metrics.finalize`), and the run store
-reads each rule's `undefined` text as the reason beside a null.
+turn its sums into these metrics (`gradlab.loop.update.metrics.finalize`). With the loop's
+other records (`OWN_RECORDS`) and curves (`OWN_CURVES`) they make the entry "loop" of the
+run's `instruments.json` (`gradlab.instruments.manifest`): each metric's unit and the reason
+beside a null, as the run store and `gradlab view` read them.
 """
 
 from __future__ import annotations
