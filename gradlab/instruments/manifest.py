@@ -91,10 +91,29 @@ def instrument_entry(i: Instrument) -> dict:
     builtin = type(i).__module__ == "gradlab.instruments.builtin"
     curves = [*(BUILTIN_CURVES.get(i.name, ()) if builtin else ()), *i.curves]
     readings = BUILTIN_READINGS.get(i.name, {}) if builtin else {}
+    rows = quantity_rows(i.quantities()) + _readings_rows(readings)
     return {"name": i.name, "class": f"{type(i).__module__}:{type(i).__qualname__}",
             "every": i.schedule.every, "start": i.schedule.start, "first": i.schedule.first,
             "phase": i.phase, "cost": i.cost, "curves": [list(c) for c in curves],
-            "metrics": quantity_rows(i.quantities()) + _readings_rows(readings)}
+            "metrics": rows + _writes_rows(i.writes, rows)}
+
+
+def _writes_rows(writes: tuple[str, ...], rows: list[dict]) -> list[dict]:
+    """Entries (unit "": not declared) for what an instrument's `writes` names and `rows` does
+    not: "tax_share/<layer group>" or "drift_node_*" is the family before the first "<" or "*",
+    covered where `rows` names a metric of it."""
+    names = {q["name"] for q in rows if "name" in q}
+    families = {q["family"] for q in rows if "family" in q}
+    out = []
+    for w in writes:
+        cut = min((w.index(c) for c in "<*" if c in w), default=None)
+        key = w if cut is None else w[:cut]
+        covered = (key in names | families or any(key.startswith(f) for f in families) or
+                   (cut is not None and any(n.startswith(key) for n in names)))
+        if not covered:
+            out.append({"name" if cut is None else "family": key, "unit": "", "undefined": ""})
+            (names if cut is None else families).add(key)
+    return out
 
 
 def write_manifest(run: str | Path, instruments: list[Instrument], loop: bool = False) -> Path:
