@@ -73,7 +73,8 @@ class Ratio:
     """Metric `name` = Σ num / Σ den over the rollout step (all optimizer steps and ranks),
     NaN when Σ den = 0 (`undefined` says when that happens). Reported only when `num` was
     measured; `drop_num` removes the numerator's sum from the record (a sum with no meaning
-    of its own, e.g. Σ entropy), `drop_den` the denominator's (counts stay)."""
+    of its own, e.g. Σ entropy), `drop_den` the denominator's (counts stay). `unit`: what
+    the value measures ("ratio", "share", "nats", ...), written to the run's instruments.json."""
 
     name: str
     num: str
@@ -81,6 +82,7 @@ class Ratio:
     undefined: str
     drop_num: bool = False
     drop_den: bool = False
+    unit: str = "ratio"
 
     def apply(self, totals: dict, out: dict) -> None:
         if self.num in totals:
@@ -101,6 +103,7 @@ class Derived:
     undefined: str
     drop: tuple[str, ...] = ()  # sums with no meaning of their own, removed from the record
     drop_family: bool = False  # remove every `family…` sum too
+    unit: str = "ratio"  # what its values measure (`Ratio.unit`)
 
     def apply(self, totals: dict, out: dict) -> None:
         if any(k.startswith(self.family) for k in totals):

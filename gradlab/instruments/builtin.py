@@ -54,10 +54,10 @@ class Residual(Instrument):
 
     def quantities(self) -> list:
         out = rho_ratios()
-        out += [Ratio(f"shared_frac_{k}", f"n_shared_{k}", "n_tokens", "no response token")
+        out += [Ratio(f"shared_frac_{k}", f"n_shared_{k}", "n_tokens", "no response token", unit="share")
                 for k in KINDS]
         out.append(Ratio("entropy_shared", "entropy_shared_sum", "n_shared_prefix",
-                         "no full-group token", drop_num=True))
+                         "no full-group token", drop_num=True, unit="nats"))
         return out
 
 
@@ -124,7 +124,7 @@ class Attribution(Instrument):
 
     def quantities(self) -> list:
         return [Ratio(f"attr_{m}", f"attr_{m}_sum", "attr_residual",
-                      "the residual Σ|d| is 0 (nothing to attribute)", drop_num=True)
+                      "the residual Σ|d| is 0 (nothing to attribute)", drop_num=True, unit="share")
                 for m in MECHANISMS]
 
 
@@ -174,8 +174,8 @@ class Drift(Instrument):
 
     def quantities(self) -> list:
         why = "no full-group node"
-        return [Ratio("drift_node_dlogp_mean", "drift_node_dlogp_sum", "drift_node_count", why),
-                Ratio("drift_node_kl_mean", "drift_node_kl_sum", "drift_node_kl_count", why)]
+        return [Ratio("drift_node_dlogp_mean", "drift_node_dlogp_sum", "drift_node_count", why, unit="nats"),
+                Ratio("drift_node_kl_mean", "drift_node_kl_sum", "drift_node_kl_count", why, unit="nats")]
 
 
 class DivergentDrift(Instrument):
@@ -196,7 +196,7 @@ class DivergentDrift(Instrument):
 
     def quantities(self) -> list:
         return [Ratio(f"drift_{s}_dlogp_mean", f"drift_{s}_dlogp_sum", f"drift_{s}_count",
-                      f"no divergent token with A {'>' if s == 'div_pos' else '<'} 0")
+                      f"no divergent token with A {'>' if s == 'div_pos' else '<'} 0", unit="nats")
                 for s in ("div_pos", "div_neg")]
 
 
