@@ -131,7 +131,7 @@ class TokenBatch:
         its graph. ValueError for an index out of range, a mask of the wrong shape, or a
         repeated index when repair_of has to be renumbered.
         """
-        pick = row_index(idx, self.B, "TokenBatch.rows")
+        pick, host = row_index(idx, self.B, "TokenBatch.rows")
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -139,7 +139,7 @@ class TokenBatch:
             if kind == "batch" or v is None:
                 kw[f.name] = v
             elif kind == "row-ref":
-                kw[f.name] = renumber_rows(v, pick, f"TokenBatch.{f.name}")
+                kw[f.name] = renumber_rows(v, pick, f"TokenBatch.{f.name}", host)
             else:
                 kw[f.name] = v[pick]
         if relabel:
@@ -163,35 +163,38 @@ TOKEN_BATCH_FIELDS = {  # how `TokenBatch.rows` treats each field
 }
 
 
-def row_index(idx: Tensor | Sequence[int], n: int, who: str) -> Tensor:
-    """(k,) long row indices from `idx`: a (k,) integer tensor or int sequence of indices in
-    [0, n), or an (n,) bool mask. ValueError naming the first index out of range, or the mask's
-    shape when it is not (n,). The result lives on idx's device (CPU for a sequence)."""
+def row_index(idx: Tensor | Sequence[int], n: int, who: str) -> tuple[Tensor, list[int]]:
+    """Row indices from `idx`: a (k,) integer tensor or int sequence of indices in [0, n), or
+    an (n,) bool mask. Returns ((k,) long tensor on idx's device (CPU for a sequence), the same
+    k indices as a list: one host copy of idx, also used for the check). ValueError naming the
+    first index out of range, or the mask's shape when it is not (n,)."""
     if not isinstance(idx, Tensor):
         idx = torch.as_tensor(list(idx), dtype=torch.long)
     if idx.dtype == torch.bool:
         if tuple(idx.shape) != (n,):
             raise ValueError(f"{who}: a bool mask must have shape ({n},), got {tuple(idx.shape)}")
-        return idx.nonzero().squeeze(-1)
+        idx = idx.nonzero().squeeze(-1)
+        return idx, idx.tolist()
     if idx.dim() != 1 or idx.is_floating_point() or idx.is_complex():
         raise ValueError(f"{who}: idx must be a (k,) integer or ({n},) bool tensor, got {_desc(idx)}")
-    idx = idx.long()
-    bad = (idx < 0) | (idx >= n)
-    if idx.numel() and bool(bad.any()):
-        j = int(bad.nonzero()[0])
-        raise ValueError(f"{who}: index {int(idx[j])} (position {j} of idx) is out of range "
-                         f"for {n} rows")
-    return idx
+    host = idx.tolist()
+    for j, i in enumerate(host):
+        if not 0 <= i < n:
+            raise ValueError(f"{who}: index {i} (position {j} of idx) is out of range for {n} rows")
+    return idx.long(), host
 
 
-def renumber_rows(ref: Tensor, rows: Tensor, who: str = "renumber_rows") -> Tensor:
+def renumber_rows(ref: Tensor, rows: Tensor, who: str = "renumber_rows",
+                  host: list[int] | None = None) -> Tensor:
     """A per-row reference to another row, ref (N,) long (−1: none), re-indexed for the
     selection `rows` (k,) long of distinct indices in [0, N): (k,) long, the position in `rows`
     of the row each selected row refers to; −1 when it refers to none or to an unselected row.
-    ValueError naming a repeated index (a reference to it would be ambiguous)."""
-    if rows.numel() > 1 and torch.unique(rows).numel() != rows.numel():
+    host: rows as a list when the caller has it (saves a device sync). ValueError naming a
+    repeated index (a reference to it would be ambiguous)."""
+    host = rows.tolist() if host is None else host
+    if len(set(host)) != len(host):
         seen = set()
-        for r in rows.tolist():
+        for r in host:
             if r in seen:
                 raise ValueError(f"{who}: row {r} is selected twice, so references to it "
                                  "are ambiguous")

@@ -107,7 +107,7 @@ class Rollout:
         maps them to 0..n_groups−1 in increasing label order. ValueError for an index out of
         range, a mask of the wrong shape, or a repeated index when parent/repair_of have to be
         renumbered."""
-        pick = row_index(idx, self.response_ids.shape[0], "Rollout.rows")
+        pick, host = row_index(idx, self.response_ids.shape[0], "Rollout.rows")
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -115,9 +115,9 @@ class Rollout:
             if kind == "batch" or v is None:
                 kw[f.name] = v
             elif kind == "list":
-                kw[f.name] = [v[i] for i in pick.tolist()]
+                kw[f.name] = [v[i] for i in host]
             elif kind == "row-ref":
-                kw[f.name] = renumber_rows(v, pick, f"Rollout.{f.name}")
+                kw[f.name] = renumber_rows(v, pick, f"Rollout.{f.name}", host)
             elif kind == "row-token" and t is not None:
                 kw[f.name] = v[pick, :t]
             else:

@@ -45,10 +45,10 @@ def tax_step(raw: torch.nn.Module, cfg: RunConfig, ro: Rollout, rows: torch.Tens
     tax = None
     for c in _chunks(reps.numel(), cfg):
         part = reps[c: c + (cfg.micro_batch or reps.numel())]
-        r = rows[part]
+        s = ro.rows(rows[part], t=t_max)
         with amp_context(cfg):
-            lp = token_logps(raw, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
-                             ro.response_mask[r, :t_max], cfg.temperature)
+            lp = token_logps(raw, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                             cfg.temperature)
         g = {n: v.float() for n, v in tax_grads(lp, residual_at[part], params).items()}
         tax = g if tax is None else {n: tax[n] + g[n] for n in tax}
     return tax_report(tax, params, None, layer_groups(raw))
@@ -119,10 +119,9 @@ def _node_chunks(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor, sn):
     t_max = int(sn.position.max()) + 1
     size = cfg.micro_batch or reps.numel()
     for c in _chunks(reps.numel(), cfg):
-        r = rows[reps[c: c + size]]
+        s = ro.rows(rows[reps[c: c + size]], t=t_max)
         sel = ((which >= c) & (which < c + size)).nonzero().squeeze(-1)
-        it = context_logprobs(model, ro.prompt_ids[r], ro.prompt_mask[r],
-                              ro.response_ids[r, :t_max], ro.response_mask[r, :t_max],
+        it = context_logprobs(model, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
                               which[sel] - c, sn.position[sel], cfg.temperature)
         while True:
             with amp_context(cfg):
@@ -157,11 +156,10 @@ def sampled_logps(model, cfg: RunConfig, ro: Rollout, rows: torch.Tensor,
     after = torch.zeros_like(like)
     size = cfg.micro_batch or max(rows.numel(), 1)
     for c in range(0, rows.numel(), size):
-        r = rows[c: c + size]
+        s = ro.rows(rows[c: c + size])
         with amp_context(cfg):
-            after[c: c + size] = token_logps(model, ro.prompt_ids[r], ro.prompt_mask[r],
-                                             ro.response_ids[r], ro.response_mask[r],
-                                             cfg.temperature).to(after.dtype)
+            after[c: c + size] = token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids,
+                                             s.response_mask, cfg.temperature).to(after.dtype)
     return after
 
 
@@ -178,9 +176,9 @@ def fisher_at_nodes(raw: torch.nn.Module, cfg: RunConfig, ro: Rollout, rows: tor
     kept = kl_nodes(sn.n, 1, cap).to(sn.rep.device)  # (K,) node indices
     reps = torch.unique(sn.rep[kept])
     t_max = int(sn.position[kept].max()) + 1
-    r = rows[reps]
-    f = context_logprobs_fn(meter, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
-                            ro.response_mask[r, :t_max], torch.searchsorted(reps, sn.rep[kept]),
+    s = ro.rows(rows[reps], t=t_max)
+    f = context_logprobs_fn(meter, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                            torch.searchsorted(reps, sn.rep[kept]),
                             sn.position[kept], cfg.temperature)
     res = kl_and_fisher(f, theta, after, {"delta": delta})
     return {"kl": res["kl"], "half_fisher": res["half_delta"]}
