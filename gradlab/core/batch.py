@@ -188,9 +188,9 @@ def renumber_rows(ref: Tensor, rows: Tensor, who: str = "renumber_rows",
                   host: list[int] | None = None) -> Tensor:
     """A per-row reference to another row, ref (N,) long (−1: none), re-indexed for the
     selection `rows` (k,) long of distinct indices in [0, N): (k,) long, the position in `rows`
-    of the row each selected row refers to; −1 when it refers to none or to an unselected row.
-    host: rows as a list when the caller has it (saves a device sync). ValueError naming a
-    repeated index (a reference to it would be ambiguous)."""
+    of the row each selected row refers to, on ref's device; −1 when it refers to none or to an
+    unselected row. host: rows as a list when the caller has it (saves a device sync).
+    ValueError naming a repeated index (a reference to it would be ambiguous)."""
     host = rows.tolist() if host is None else host
     if len(set(host)) != len(host):
         seen = set()
@@ -199,8 +199,9 @@ def renumber_rows(ref: Tensor, rows: Tensor, who: str = "renumber_rows",
                 raise ValueError(f"{who}: row {r} is selected twice, so references to it "
                                  "are ambiguous")
             seen.add(r)
+    rows = rows.to(ref.device)
     pos = torch.full_like(ref, -1)
-    pos[rows] = torch.arange(rows.numel(), device=rows.device)
+    pos[rows] = torch.arange(rows.numel(), device=ref.device, dtype=ref.dtype)
     referred = ref[rows]  # (k,) the row each selected row refers to, −1 none
     return torch.where(referred >= 0, pos[referred.clamp(min=0)], -1)
 
