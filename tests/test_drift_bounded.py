@@ -52,12 +52,12 @@ def step():
     ro = generate(model, tok, ArithmeticTask().problems(4, seed=1), G=4, max_new_tokens=12,
                   row_keys=torch.arange(16))
     rows = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11])
-    args = (ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-            ro.response_mask[rows])
+    s = ro.rows(rows)
+    args = (s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
     with torch.no_grad():
         lp, before = token_logps(model, *args, temperature=0.8, return_logprobs=True)
-    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, torch.zeros_like(lp),
-                   torch.randn(16, generator=torch.Generator().manual_seed(0)), ro.group[rows])
+    b = TokenBatch(s.response_ids, s.response_mask, lp, torch.zeros_like(lp),
+                   torch.randn(16, generator=torch.Generator().manual_seed(0)), s.group)
     sn = shared_nodes(b, "prefix")
     after_model = copy.deepcopy(model)
     with torch.no_grad():

@@ -44,13 +44,14 @@ def off_policy():
 def _logps64(model, ro, rows) -> torch.Tensor:
     """(R, T) float64 response log-probs (token_logps computes in float32; this test wants the
     identity to round-off, so the same forward in float64)."""
-    ids = torch.cat([ro.prompt_ids[rows], ro.response_ids[rows]], 1)
-    mask = torch.cat([ro.prompt_mask[rows], ro.response_mask[rows]], 1)
-    T = ro.response_ids.shape[1]
+    s = ro.rows(rows)
+    ids = torch.cat([s.prompt_ids, s.response_ids], 1)
+    mask = torch.cat([s.prompt_mask, s.response_mask], 1)
+    T = s.response_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions(mask),
                    use_cache=False).logits[:, -T - 1:-1].double()
-    lp = torch.log_softmax(logits, -1).gather(-1, ro.response_ids[rows, :, None]).squeeze(-1)
-    return lp.masked_fill(~ro.response_mask[rows], 0.0)
+    lp = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, :, None]).squeeze(-1)
+    return lp.masked_fill(~s.response_mask, 0.0)
 
 
 def _grad(model, ro, rows, adv, loss_fn) -> tuple[torch.Tensor, TokenBatch]:

@@ -358,7 +358,8 @@ def test_trie_advantages_against_brute_force_with_unequal_groups(seed):
     b = _trie_batch(seed, G=6)
     keep = torch.ones(b.B, dtype=torch.bool)
     keep[torch.randperm(b.B, generator=torch.Generator().manual_seed(seed))[:5]] = False
-    tokens, mask, group, R = b.tokens[keep], b.mask[keep], b.group[keep], b.rewards[keep]
+    s = b.rows(keep)
+    tokens, mask, group, R = s.tokens, s.mask, s.group, s.rewards
     assert len(set(torch.bincount(group).tolist())) > 1  # groups of different sizes
     for form in ("ga", "la", "ga+la", "togo"):
         A = gradlab.process_advantages(tokens, mask, group, R, form)

@@ -205,8 +205,8 @@ def test_local_positions_start_before_the_stop_and_not_before_the_departure():
 
 def _sampled_plan(ro):
     own = (ro.repair_of < 0).nonzero().squeeze(-1)
-    return own, repair_plan(ro.response_ids[own], ro.response_mask[own], ro.rewards[own] > 0,
-                            ro.group[own])
+    s = ro.rows(own)
+    return own, repair_plan(s.response_ids, s.response_mask, s.rewards > 0, s.group)
 
 
 @pytest.mark.parametrize("branch_token", ["sample", "alternative"])

@@ -65,8 +65,9 @@ def setup():
 def _one_pass(model, obj, ro, adv, rows):
     """Independent reference: one forward/backward over all rows, the batch's own normalisers."""
     model.zero_grad(set_to_none=True)
-    lp, ent = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                          ro.response_mask[rows], return_entropy=True)
+    s = ro.rows(rows)
+    lp, ent = token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                          return_entropy=True)
     lp.retain_grad()
     b = ro.token_batch(lp, adv, rows)
     loss = obj.loss(b)

@@ -179,9 +179,7 @@ def test_shards_with_global_totals_add_up_to_the_whole_batch(name, params):
     total_loss, W = 0.0, torch.zeros_like(full_W)
     for part in ((b.group % 2) == 0, (b.group % 2) == 1):
         rows = part.nonzero().squeeze(-1)
-        shard = gradlab.TokenBatch(b.tokens[rows], b.mask[rows], b.logps[rows], b.old_logps[rows],
-                                   b.advantages[rows], b.group[rows], b.ref_logps[rows],
-                                   n_seqs=b.B, n_tokens=int(b.mask.sum()), width=b.T)
+        shard = b.rows(part).replace(n_seqs=b.B, n_tokens=int(b.mask.sum()), width=b.T)
         total_loss = total_loss + obj.loss(shard)
         W[rows] = obj.modulation(shard)
     assert torch.allclose(total_loss, full_loss, atol=1e-12)

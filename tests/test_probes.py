@@ -380,14 +380,13 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     ro = generate(model, tok, task.problems(3, seed=1), G=4, max_new_tokens=12,
                   row_keys=torch.arange(12))
     rows = torch.tensor([4, 5, 6, 7, 0, 1, 2, 3])
-    args = (ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-            ro.response_mask[rows])
+    s = ro.rows(rows)
+    args = (s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
     with torch.no_grad():
         lp_before, before = token_logps(model, *args, return_logprobs=True)
-    z = torch.zeros(ro.response_ids[rows].shape)
+    z = torch.zeros(s.response_ids.shape)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.0])
-    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp_before, z, adv,
-                   ro.group[rows])
+    b = TokenBatch(s.response_ids, s.response_mask, lp_before, z, adv, s.group)
     sn = shared_nodes(b, "prefix")
     assert sn.n > 0
     after_model = copy.deepcopy(model)
@@ -434,11 +433,10 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     ro = generate(model, tok, ArithmeticTask().problems(4, seed=2), G=4, max_new_tokens=12,
                   row_keys=torch.arange(16))
     rows = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, 15])
-    lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                     ro.response_mask[rows])
-    adv = advantages(torch.tensor([1.0, 0, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]), ro.group[rows])
-    b = TokenBatch(ro.response_ids[rows], ro.response_mask[rows], lp, ro.old_logps[rows] - 0.01,
-                   adv, ro.group[rows])
+    s = ro.rows(rows)
+    lp = token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
+    adv = advantages(torch.tensor([1.0, 0, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0]), s.group)
+    b = TokenBatch(s.response_ids, s.response_mask, lp, s.old_logps - 0.01, adv, s.group)
     obj = objectives.get("gspo", eps=(0.2, 0.2))
     W = obj.modulation(b)
     obj.loss(b).backward(retain_graph=True)

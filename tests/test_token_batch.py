@@ -63,8 +63,8 @@ def test_token_batch_equals_rows_batch(rollouts, layout):
     model, ro = rollouts[0], rollouts[1][layout]
     rows = _rows(ro)
     t = int(ro.lengths.max()) - 1  # a cut shorter than the rollout's width
-    lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows, :t],
-                     ro.response_mask[rows, :t])
+    s = ro.rows(rows, t=t)
+    lp = token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
     adv = advantages(ro.rewards, ro.group)
     norms = (3 * rows.numel(), 1000, 40)
     got = ro.token_batch(lp, adv, rows, t=t, norms=norms, validate=False)

@@ -191,9 +191,7 @@ def test_hook_W_is_the_gradient_of_trls_loss(tmp_path):
         assert W_ref.abs().max() > 0
         assert_close_f32(w.W[rows], W_ref, msg="hooked W vs TRL's autograd W")
         # and gradlab's closed form (GSPO) on the same rows agrees with both
-        b = TokenBatch(tokens=w.batch.tokens[rows], mask=w.batch.mask[rows],
-                       logps=w.batch.logps[rows], old_logps=w.batch.old_logps[rows],
-                       advantages=w.batch.advantages[rows], group=w.batch.group[rows])
+        b = w.batch.rows(rows)
         assert_close_f32(gspo.modulation(b), W_ref, msg="GSPO closed form vs TRL's autograd W")
     assert not torch.equal(w.batch.logps, w.batch.old_logps)  # really off-policy
 
@@ -338,10 +336,7 @@ def test_ibpo_loss_W_is_autograd_of_trls_loss_on_token_advantages(tmp_path, loss
         W_ref = trl_autograd_W(tr, state, inputs)
         assert W_ref.abs().max() > 0
         assert torch.equal(w.W[rows], W_ref)  # bitwise
-        b = TokenBatch(tokens=w.batch.tokens[rows], mask=w.batch.mask[rows],
-                       logps=w.batch.logps[rows], old_logps=w.batch.old_logps[rows],
-                       advantages=A[rows], group=w.batch.group[rows],
-                       n_tokens=n_tok // spg)
+        b = w.batch.rows(rows).replace(advantages=A[rows], n_tokens=n_tok // spg)
         if loss_type == "dapo":
             assert_close_f32(grpo.modulation(b), W_ref, msg="dapo closed form vs TRL's W")
     assert not torch.equal(w.batch.logps, w.batch.old_logps)  # the 2nd call is off-policy

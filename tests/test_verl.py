@@ -44,12 +44,13 @@ def _call(name, batch, rows=None, agg="token-mean", last=True, cfg=None, adv=Non
     gv, actor_config = _setup()
     rows = torch.arange(batch.B) if rows is None else rows
     cfg = cfg if cfg is not None else actor_config(name)
-    lp = batch.logps[rows].detach().clone().requires_grad_(True)
-    A = batch.advantages[rows].unsqueeze(-1).expand_as(lp) if adv is None else adv
-    with gv.micro_batch(batch.tokens[rows], batch.group[rows], last=last):
+    mb = batch.rows(rows)
+    lp = mb.logps.detach().clone().requires_grad_(True)
+    A = mb.advantages.unsqueeze(-1).expand_as(lp) if adv is None else adv
+    with gv.micro_batch(mb.tokens, mb.group, last=last):
         loss, m = core_algos.get_policy_loss_fn(name)(
-            old_log_prob=batch.old_logps[rows], log_prob=lp, advantages=A,
-            response_mask=batch.mask[rows], loss_agg_mode=agg, config=cfg, rollout_is_weights=None)
+            old_log_prob=mb.old_logps, log_prob=lp, advantages=A,
+            response_mask=mb.mask, loss_agg_mode=agg, config=cfg, rollout_is_weights=None)
     loss.backward()
     return loss, m, lp
 
@@ -296,22 +297,23 @@ def _micro_batch_td(model, ro, rows, adv, uid: bool, gbs: int):
     from gradlab.loop.numerics.logprobs import token_logps
 
     P = ro.prompt_ids.shape[1]
-    lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                     ro.response_mask[rows])  # (R, T), with grad
-    att = torch.cat([ro.prompt_mask[rows], ro.response_mask[rows]], 1).long()
+    s = ro.rows(rows)
+    lp = token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids,
+                     s.response_mask)  # (R, T), with grad
+    att = torch.cat([s.prompt_mask, s.response_mask], 1).long()
     packed = []
     for i in range(len(rows)):
         p, r = int(att[i, :P].sum()), int(att[i, P:].sum())
         z = torch.zeros(p + r, dtype=lp.dtype)
         packed.append(torch.cat([z[: p - 1], lp[i, :r], z[-1:]]))
-    mask = ro.response_mask[rows]
-    td = TensorDict({"prompts": ro.prompt_ids[rows], "responses": ro.response_ids[rows],
+    mask = s.response_mask
+    td = TensorDict({"prompts": s.prompt_ids, "responses": s.response_ids,
                      "attention_mask": att, "response_mask": mask.long(),
-                     "old_log_probs": ro.old_logps[rows],
+                     "old_log_probs": s.old_logps,
                      "advantages": adv[rows].unsqueeze(-1).expand(mask.shape).clone()},
                     batch_size=[len(rows)])
     if uid:
-        tu.assign_non_tensor_stack(td, "uid", [f"p{int(g)}" for g in ro.group[rows]])
+        tu.assign_non_tensor_stack(td, "uid", [f"p{int(g)}" for g in s.group])
     for k, v in (("dp_size", 1), ("batch_num_tokens", None), ("global_batch_size", gbs)):
         tu.assign_non_tensor_data(td, k, v)
     return td, {"log_probs": torch.cat(packed)}, lp

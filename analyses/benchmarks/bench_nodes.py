@@ -33,8 +33,7 @@ def make_batch(n_groups: int, G: int, T: int, seed: int = 0) -> gradlab.TokenBat
     old = logps + 0.1 * torch.randn(B, T, generator=g)
     adv = gradlab.advantages(torch.randint(0, 2, (B,), generator=g).float(), group)
     perm = torch.randperm(B, generator=g)
-    return gradlab.TokenBatch(tokens[perm], mask[perm], logps[perm], old[perm], adv[perm],
-                              group[perm], validate=False)
+    return gradlab.TokenBatch(tokens, mask, logps, old, adv, group, validate=False).rows(perm)
 
 
 def time_once(b: gradlab.TokenBatch, W: torch.Tensor) -> float:

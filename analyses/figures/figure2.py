@@ -117,11 +117,12 @@ def token_frame(tok, ro, rows, batch, Ws: dict, clips: dict, g: int,
                     "reward": float(ro.rewards[rows[r]]), "text": ro.texts[int(rows[r])],
                     "clip_frac": clips[title]})
     df = pd.DataFrame(recs)
-    df.attrs["rho"] = {t: cancellation(Ws[t][keep], _sub(batch, keep), "prefix").ratio
+    own = batch.rows(keep)  # the group's own batch, every per-row field
+    df.attrs["rho"] = {t: cancellation(Ws[t][keep], own, "prefix").ratio
                        for t, _, _ in panels}
     df.attrs["prompt"] = ro.problems[int(rows[keep[0]])].prompt
     # share of the group's residual each mechanism accounts for (closed form, docs/concepts/shared-nodes.md#attribution)
-    df.attrs["attribution"] = {t: attribution(objectives.get(n, **p), _sub(batch, keep))
+    df.attrs["attribution"] = {t: attribution(objectives.get(n, **p), own)
                                for t, n, p in panels}
     return df
 
@@ -137,13 +138,6 @@ def measure(model, tok, task, prompts: int = 8, G: int = 4, seed: int = 0,
     Ws, clips, batch = measure_panels(stepped, ro, rows, adv)
     g = pick_group(Ws[PANELS[0][0]], batch, ro, rows)
     return token_frame(tok, ro, rows, batch, Ws, clips, g)
-
-
-def _sub(batch, keep):
-    """The batch's rows `keep` (every per-row field the batch has)."""
-    fields = ("tokens", "mask", "logps", "old_logps", "advantages", "group", "rewards")
-    return batch.replace(**{f: getattr(batch, f)[keep] for f in fields
-                            if getattr(batch, f) is not None})
 
 
 def _char(tok, tid: int) -> str:

@@ -68,8 +68,7 @@ def random_batch(
         rewards[1::G] = 0.0
     perm = torch.arange(B) if contiguous else torch.randperm(B, generator=gen)
     adv = advantages(rewards.to(dtype), group)
-    return TokenBatch(tokens[perm], mask[perm], logps[perm], old[perm], adv[perm], group[perm],
-                      rewards=rewards.to(dtype)[perm])
+    return TokenBatch(tokens, mask, logps, old, adv, group, rewards=rewards.to(dtype)).rows(perm)
 
 
 def measure_modulation(loss_fn: Callable[[TokenBatch], Tensor], batch: TokenBatch) -> Tensor:
@@ -103,8 +102,9 @@ def _rows_logps(model, rollout, rows: Tensor, temperature: float) -> Tensor:
     """(R, T) log-probs of the rollout's responses on `rows` (R,) under `model` at temperature."""
     from ..loop.numerics.logprobs import token_logps
 
-    return token_logps(model, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
-                       rollout.response_ids[rows], rollout.response_mask[rows], temperature)
+    s = rollout.rows(rows)
+    return token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                       temperature)
 
 
 def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,

@@ -118,8 +118,9 @@ def read_step(model: torch.nn.Module, ro, adv: torch.Tensor, objective, amp: boo
     rows = torch.arange(ro.response_ids.shape[0], device=adv.device) if rows is None else rows
     t0 = time.perf_counter()
     with autocast(adv.device, amp):
-        lp = token_logps(model, ro.prompt_ids[rows], ro.prompt_mask[rows], ro.response_ids[rows],
-                         ro.response_mask[rows], ro.temperature)
+        s = ro.rows(rows)
+        lp = token_logps(model, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                         ro.temperature)
     batch = ro.token_batch(lp, adv, rows, norms=norms, validate=False)
     with ModulationProbe() as probe:
         objective.loss(batch.replace(logps=probe.watch(lp))).backward()

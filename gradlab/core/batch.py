@@ -8,6 +8,7 @@ on response tokens. Notation: docs/concepts/index.md#setting-and-notation.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -115,12 +116,94 @@ class TokenBatch:
         kw["validate"] = False  # the masked-in values are the ones validated at construction
         return TokenBatch(**kw)
 
+    def rows(self, idx: Tensor | Sequence[int], *, relabel: bool = False) -> TokenBatch:
+        """The batch of rows `idx`: a (k,) long tensor (or int sequence) of row indices in
+        [0, B), in the order wanted, or a (B,) bool mask (its True rows, in order).
+
+        Every per-row field is selected: tokens, mask, logps, old_logps, ref_logps (B, T) →
+        (k, T) (T is kept); advantages (B,) or (B, T) → (k,) or (k, T); group, rewards (B,) →
+        (k,); repair_of (B,) → (k,) renumbered into the selection (the position in `idx` of
+        the row each repair corrects; −1 when that row is not selected). The per-batch fields
+        n_seqs, n_tokens, width and validate are copied unchanged (a subset of a global batch
+        keeps the global normalisers; None stays "this batch's own"). Groups keep their labels;
+        `relabel=True` maps them to 0..n_groups−1 in increasing label order. The finiteness
+        check is not repeated (the rows were checked when this batch was built); `logps` keeps
+        its graph. ValueError for an index out of range, a mask of the wrong shape, or a
+        repeated index when repair_of has to be renumbered.
+        """
+        pick, host = row_index(idx, self.B, "TokenBatch.rows")
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kind = TOKEN_BATCH_FIELDS[f.name]  # KeyError: a new field must be classified there
+            if kind == "batch" or v is None:
+                kw[f.name] = v
+            elif kind == "row-ref":
+                kw[f.name] = renumber_rows(v, pick, f"TokenBatch.{f.name}", host)
+            else:
+                kw[f.name] = v[pick]
+        if relabel:
+            kw["group"] = group_index(kw["group"])[0]
+        out = TokenBatch(**(kw | {"validate": False}))
+        out.validate = self.validate
+        return out
+
     def to(self, device: torch.device | str) -> TokenBatch:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in kw.items():
             if isinstance(v, Tensor):
                 kw[k] = v.to(device)
         return TokenBatch(**kw)
+
+
+TOKEN_BATCH_FIELDS = {  # how `TokenBatch.rows` treats each field
+    "tokens": "row", "mask": "row", "logps": "row", "old_logps": "row", "advantages": "row",
+    "group": "row", "ref_logps": "row", "rewards": "row", "repair_of": "row-ref",
+    "n_seqs": "batch", "n_tokens": "batch", "width": "batch", "validate": "batch",
+}
+
+
+def row_index(idx: Tensor | Sequence[int], n: int, who: str) -> tuple[Tensor, list[int]]:
+    """Row indices from `idx`: a (k,) integer tensor or int sequence of indices in [0, n), or
+    an (n,) bool mask. Returns ((k,) long tensor on idx's device (CPU for a sequence), the same
+    k indices as a list: one host copy of idx, also used for the check). ValueError naming the
+    first index out of range, or the mask's shape when it is not (n,)."""
+    if not isinstance(idx, Tensor):
+        idx = torch.as_tensor(list(idx), dtype=torch.long)
+    if idx.dtype == torch.bool:
+        if tuple(idx.shape) != (n,):
+            raise ValueError(f"{who}: a bool mask must have shape ({n},), got {tuple(idx.shape)}")
+        idx = idx.nonzero().squeeze(-1)
+        return idx, idx.tolist()
+    if idx.dim() != 1 or idx.is_floating_point() or idx.is_complex():
+        raise ValueError(f"{who}: idx must be a (k,) integer or ({n},) bool tensor, got {_desc(idx)}")
+    host = idx.tolist()
+    for j, i in enumerate(host):
+        if not 0 <= i < n:
+            raise ValueError(f"{who}: index {i} (position {j} of idx) is out of range for {n} rows")
+    return idx.long(), host
+
+
+def renumber_rows(ref: Tensor, rows: Tensor, who: str = "renumber_rows",
+                  host: list[int] | None = None) -> Tensor:
+    """A per-row reference to another row, ref (N,) long (−1: none), re-indexed for the
+    selection `rows` (k,) long of distinct indices in [0, N): (k,) long, the position in `rows`
+    of the row each selected row refers to, on ref's device; −1 when it refers to none or to an
+    unselected row. host: rows as a list when the caller has it (saves a device sync).
+    ValueError naming a repeated index (a reference to it would be ambiguous)."""
+    host = rows.tolist() if host is None else host
+    if len(set(host)) != len(host):
+        seen = set()
+        for r in host:
+            if r in seen:
+                raise ValueError(f"{who}: row {r} is selected twice, so references to it "
+                                 "are ambiguous")
+            seen.add(r)
+    rows = rows.to(ref.device)
+    pos = torch.full_like(ref, -1)
+    pos[rows] = torch.arange(rows.numel(), device=ref.device, dtype=ref.dtype)
+    referred = ref[rows]  # (k,) the row each selected row refers to, −1 none
+    return torch.where(referred >= 0, pos[referred.clamp(min=0)], -1)
 
 
 def _check_batch(b: TokenBatch) -> None:

@@ -203,10 +203,10 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals, D: Dist) ->
                 rec["time_eval"] = time.perf_counter() - t1
             store.log(rec)
             live.log(rec)
-            first = (ro.group == ro.group[0]).nonzero().squeeze(-1).tolist()  # first group's rows
+            first = ro.rows(ro.group == ro.group[0])  # the first group's rows
             store.log({"step": step, "objective": L.name, "prompt": ro.problems[0].prompt,
-                       "responses": [ro.texts[i] for i in first],
-                       "rewards": ro.rewards[first].tolist()}, "samples.jsonl")
+                       "responses": first.texts,
+                       "rewards": first.rewards.tolist()}, "samples.jsonl")
             post[L.name] = f"r={rec['reward']:.2f}" + (
                 f" ρ={rec['rho_prefix']:.2f}".replace("nan", "—")  # NaN: undefined
                 if "rho_prefix" in rec else "")

@@ -61,11 +61,12 @@ def run_mini_batch(batch: TokenBatch, loss_mode: str, agg: str, parts: list[torc
     fn = get_policy_loss_fn(loss_mode)
     metrics: dict = {}
     for k, rows in enumerate(parts):
-        lp = batch.logps[rows].detach().clone().requires_grad_(True)
-        adv = batch.advantages[rows].unsqueeze(-1).expand_as(lp)
-        with micro_batch(batch.tokens[rows], batch.group[rows], last=k == len(parts) - 1):
-            loss, metrics = fn(old_log_prob=batch.old_logps[rows], log_prob=lp, advantages=adv,
-                               response_mask=batch.mask[rows], loss_agg_mode=agg, config=cfg,
+        mb = batch.rows(rows)
+        lp = mb.logps.detach().clone().requires_grad_(True)
+        adv = mb.advantages.unsqueeze(-1).expand_as(lp)
+        with micro_batch(mb.tokens, mb.group, last=k == len(parts) - 1):
+            loss, metrics = fn(old_log_prob=mb.old_logps, log_prob=lp, advantages=adv,
+                               response_mask=mb.mask, loss_agg_mode=agg, config=cfg,
                                rollout_is_weights=None)
         loss.backward()
     dev = relative_dev(batch, parts[-1], loss_mode, agg, cfg)

@@ -134,8 +134,9 @@ def run_option(b: TokenBatch, opt: Option, policy_split: bool, seed: int,
     fn = get_policy_loss_fn(BASE[0])
     lp = b.logps.detach().clone().requires_grad_(True)
     for rows in micro_rows(b.group, policy_split, seed):
-        adv = b.advantages[rows].unsqueeze(-1).expand(len(rows), b.T)
-        loss, _ = fn(old_log_prob=b.old_logps[rows], log_prob=lp[rows], advantages=adv,
+        mb = b.rows(rows)
+        adv = mb.advantages.unsqueeze(-1).expand(mb.B, mb.T)
+        loss, _ = fn(old_log_prob=mb.old_logps, log_prob=lp[rows], advantages=adv,
                      response_mask=keep[rows], loss_agg_mode=BASE[1], config=cfg,
                      rollout_is_weights=None if weights is None else weights[rows])
         loss.backward()

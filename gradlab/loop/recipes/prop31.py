@@ -61,8 +61,9 @@ def _gradients(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch.Te
     raw = unwrap(L.model)
     params = dict(raw.named_parameters())
     with amp_context(cfg):  # the optimizer step's own forward (loop/numerics/precision.py)
-        logps = token_logps(raw, ro.prompt_ids[rows], ro.prompt_mask[rows],
-                            ro.response_ids[rows], ro.response_mask[rows], cfg.temperature)
+        s = ro.rows(rows)
+        logps = token_logps(raw, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                            cfg.temperature)
     batch = ro.token_batch(logps, adv, rows, validate=False)
     loss, _ = L.objective(batch)
     names = list(params)
@@ -109,9 +110,9 @@ def measured_step(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch
         return []
     reps = torch.unique(sn.rep)
     t_max = int(sn.position.max()) + 1
-    r = rows[reps]
-    f = context_logprobs_fn(meter, ro.prompt_ids[r], ro.prompt_mask[r], ro.response_ids[r, :t_max],
-                            ro.response_mask[r, :t_max], torch.searchsorted(reps, sn.rep),
+    s = ro.rows(rows[reps], t=t_max)
+    f = context_logprobs_fn(meter, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
+                            torch.searchsorted(reps, sn.rep),
                             sn.position, cfg.temperature)
     dbl = lambda d: {n: v.double() for n, v in d.items()}  # noqa: E731
     res = kl_and_fisher(f, dbl(theta), dbl(after), {k: dbl(v) for k, v in dirs.items()})

@@ -11,12 +11,13 @@ float32).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from ...core.batch import TokenBatch
+from ...core.batch import TokenBatch, group_index, renumber_rows, row_index
 from ..config import ConfigError
 from ..numerics.logprobs import positions as _positions
 from ..numerics.precision import autocast
@@ -91,6 +92,40 @@ class Rollout:
             repair_of=self.repair_of if rows is None else batch_repair_of(self.repair_of, rows),
             n_seqs=n_seqs, n_tokens=n_tokens, width=n_width, validate=validate)
 
+    def rows(self, idx: torch.Tensor | Sequence[int], *, t: int | None = None,
+             relabel: bool = False) -> Rollout:
+        """The rollout of rows `idx`: a (k,) long tensor (or int sequence) of row indices in
+        [0, N), in the order wanted, or an (N,) bool mask (its True rows, in order).
+
+        Every per-row field is selected: prompt_ids, prompt_mask (N, P) → (k, P);
+        response_ids, response_mask, old_logps (N, T) → (k, t) (the first `t` response
+        positions; None: all T); group, rewards, branch_at, generated (N,) → (k,); texts,
+        problems (lists) → the k entries; parent and repair_of (N,) → (k,) renumbered into the
+        selection (the position in `idx` of the row referred to; −1 when it is not selected).
+        temperature, repairs_tried and discarded_tokens (whole-rollout counts) are copied.
+        Groups keep their labels (`G` then assumes whole groups 0..max label); `relabel=True`
+        maps them to 0..n_groups−1 in increasing label order. ValueError for an index out of
+        range, a mask of the wrong shape, or a repeated index when parent/repair_of have to be
+        renumbered."""
+        pick, host = row_index(idx, self.response_ids.shape[0], "Rollout.rows")
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kind = ROLLOUT_FIELDS[f.name]  # KeyError: a new field must be classified there
+            if kind == "batch" or v is None:
+                kw[f.name] = v
+            elif kind == "list":
+                kw[f.name] = [v[i] for i in host]
+            elif kind == "row-ref":
+                kw[f.name] = renumber_rows(v, pick, f"Rollout.{f.name}", host)
+            elif kind == "row-token" and t is not None:
+                kw[f.name] = v[pick, :t]
+            else:
+                kw[f.name] = v[pick]
+        if relabel:
+            kw["group"] = group_index(kw["group"])[0]
+        return Rollout(**kw)
+
     def to(self, device: torch.device | str) -> Rollout:
         """A copy with every tensor moved to `device`."""
         kw = {}
@@ -100,16 +135,20 @@ class Rollout:
         return Rollout(**kw)
 
 
+ROLLOUT_FIELDS = {  # how `Rollout.rows` treats each field
+    "prompt_ids": "row", "prompt_mask": "row", "response_ids": "row-token",
+    "response_mask": "row-token", "old_logps": "row-token", "group": "row", "texts": "list",
+    "problems": "list", "temperature": "batch", "rewards": "row", "parent": "row-ref",
+    "branch_at": "row", "generated": "row", "repair_of": "row-ref", "repairs_tried": "batch",
+    "discarded_tokens": "batch",
+}
+
+
 def batch_repair_of(repair_of: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     """`Rollout.repair_of` (N,) re-indexed for a batch of rollout rows `rows` (B,): position in
     `rows` of the row each repair corrects; −1 for non-repairs and for a repair whose original
     is not among `rows` (groups stay whole in a step and a micro-batch, so it always is)."""
-    if repair_of is None:
-        return None
-    pos = torch.full_like(repair_of, -1)
-    pos[rows] = torch.arange(rows.numel(), device=rows.device)
-    corrected = repair_of[rows]  # (B,) rollout row each batch row corrects, −1 none
-    return torch.where(corrected >= 0, pos[corrected.clamp(min=0)], -1)
+    return None if repair_of is None else renumber_rows(repair_of, rows, "Rollout.repair_of")
 
 
 def encode_pairs(tokenizer, prompts: list[str], responses: list[str], device="cpu"):

@@ -148,10 +148,9 @@ class StepMetrics:
         and counts (reduced over ranks in `finish`)."""
         # reward, accuracy, forms and length describe the policy's own samples: repairs
         # (`ro.repair_of` ≥ 0) are trained on but not counted here
-        own = list(range(len(ro.texts))) if ro.repair_of is None else \
-            (ro.repair_of < 0).nonzero().squeeze(-1).tolist()
-        correct = [task.is_correct(ro.problems[i], ro.texts[i]) for i in own]
-        forms = [task.solution_form(ro.problems[i], ro.texts[i]) for i in own]
+        own = ro if ro.repair_of is None else ro.rows(ro.repair_of < 0)
+        correct = [task.is_correct(p, t) for p, t in zip(own.problems, own.texts)]
+        forms = [task.solution_form(p, t) for p, t in zip(own.problems, own.texts)]
         step_of = torch.empty_like(ro.group)
         for k, rows in enumerate(parts):
             step_of[rows] = k
@@ -159,9 +158,9 @@ class StepMetrics:
         spread = [torch.unique(step_of[ro.group == g]).numel() > 1 for g in labels]
         zero_std = [bool((ro.rewards[ro.group == g] == ro.rewards[ro.group == g][0]).all())
                     for g in labels]
-        for k, v in {"reward_sum": ro.rewards[own].sum(), "n_rows": len(correct),
+        for k, v in {"reward_sum": own.rewards.sum(), "n_rows": len(correct),
                      "correct": sum(correct), "form0": forms.count(0), "form1": forms.count(1),
-                     "length_sum": ro.response_mask[own].sum(), "n_groups": len(labels),
+                     "length_sum": own.response_mask.sum(), "n_groups": len(labels),
                      "split_groups": sum(spread), "zero_std_groups": sum(zero_std),
                      **layout_sums(ro)}.items():
             self.sums[k].append(v)

@@ -34,8 +34,8 @@ def probe_set(model, tok, task, cfg) -> dict:
     # forward then costs a few tokens per prompt
     reps = torch.unique(sn.rep)
     t_max = int(sn.position.max()) + 1 if sn.n else 1
-    rows = (ro.prompt_ids[reps], ro.prompt_mask[reps], ro.response_ids[reps, :t_max],
-            ro.response_mask[reps, :t_max])
+    s = ro.rows(reps, t=t_max)
+    rows = (s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask)
     probes = {"rows": rows, "rep": torch.searchsorted(reps, sn.rep), "pos": sn.position}
     probes["ref"] = _context_logprobs(model, probes, cfg) if sn.n else None
     sols = [task.solutions(p) for p in problems]

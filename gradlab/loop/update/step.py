@@ -168,10 +168,10 @@ def _lockstep_passes(cfg: RunConfig, rollout: Rollout, rows: torch.Tensor, dist:
 def _zero_pass(learner: Learner, cfg: RunConfig, rollout: Rollout) -> None:
     """A forward/backward on one row of this rank's rollout with loss × 0: it joins the ranks'
     gradient reduction (DDP's all-reduce, FSDP's all-gathers and reduce-scatter) and adds 0."""
-    one = torch.arange(1, device=rollout.group.device)
+    one = rollout.rows(torch.arange(1, device=rollout.group.device))
     with amp_context(cfg):
-        logps = token_logps(learner.model, rollout.prompt_ids[one], rollout.prompt_mask[one], rollout.response_ids[one],
-                            rollout.response_mask[one], cfg.temperature)
+        logps = token_logps(learner.model, one.prompt_ids, one.prompt_mask, one.response_ids,
+                            one.response_mask, cfg.temperature)
     (0.0 * logps.sum()).backward()
 
 
@@ -206,9 +206,10 @@ def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.T
         sync = learner.model.no_sync() if no_sync else contextlib.nullcontext()
         with sync:
             with amp_context(cfg):
-                lp, e = token_logps(learner.model, rollout.prompt_ids[r], rollout.prompt_mask[r],
-                                    rollout.response_ids[r, :t], rollout.response_mask[r, :t],
-                                    cfg.temperature, return_entropy=True, entropy_grad=False)
+                s = rollout.rows(r, t=t)
+                lp, e = token_logps(learner.model, s.prompt_ids, s.prompt_mask, s.response_ids,
+                                    s.response_mask, cfg.temperature, return_entropy=True,
+                                    entropy_grad=False)
             mb = rollout.token_batch(lp, adv, r, t=t, norms=norms, validate=False)
             with ModulationProbe(enabled=watch) as probe:
                 part_loss = learner.objective.loss(mb.replace(logps=probe.watch(lp)))

@@ -43,10 +43,8 @@ def loop_policy(model: torch.nn.Module, cfg: RunConfig, rollout: Rollout,
     rows[i]; gradlab's own log-prob forward at the run's temperature, under its precision."""
 
     def inputs(local: torch.Tensor, t_max: int | None):
-        r = rows[local]
-        cut = slice(None) if t_max is None else slice(None, t_max)
-        return (rollout.prompt_ids[r], rollout.prompt_mask[r], rollout.response_ids[r, cut],
-                rollout.response_mask[r, cut])
+        part = rollout.rows(rows[local], t=t_max)
+        return part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask
 
     return Policy(model=unwrap(model), inputs=inputs, token_logps=token_logps,
                   context_logprobs=context_logprobs,
