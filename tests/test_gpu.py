@@ -84,7 +84,8 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
     L = Learner("gspo", objectives.get("gspo"), model,
                 torch.optim.AdamW(model.parameters(), lr=1e-4), torch.Generator())
     run = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch, device="cuda",
-                    drift=False, progress=False, max_new_tokens=tokens)
+                    instruments="cheap,attribution@5,tax@5", progress=False,
+                    max_new_tokens=tokens)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     work = StepWork(ro, advantages(ro.rewards, ro.group), torch.arange(n, device="cuda"), 1)

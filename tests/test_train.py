@@ -152,8 +152,8 @@ def test_reproduce_cli_writes_figures_and_summary(tmp_path, capsys):
     assert main(["reproduce", "--out", str(out), "--steps", "2", "--no-progress"]) == 2
 
 
-def test_no_probes_trains_with_plain_metrics_only(tmp_path):
-    cfg = RunConfig(out=str(tmp_path / "np"), objectives=["gspo"], probes=False, **SMALL)
+def test_instruments_off_trains_with_plain_metrics_only(tmp_path):
+    cfg = RunConfig(out=str(tmp_path / "np"), objectives=["gspo"], instruments="off", **SMALL)
     train(cfg)
     ms = set(gradlab.load_run(tmp_path / "np")["metric"])
     assert {"reward", "accuracy", "loss", "grad_norm", "entropy", "clip_frac"} <= ms
