@@ -59,7 +59,7 @@ def bench(model, groups: int, G: int, T: int, repeats: int) -> dict[str, float]:
     learner = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
     rows = torch.arange(ro.group.numel())
-    cfg, bare = RunConfig(progress=False, G=G), RunConfig(progress=False, G=G, probes=False)
+    cfg, bare = RunConfig(progress=False, G=G), RunConfig(progress=False, G=G, instruments="off")
     runs = {}
     for name, (insts, step) in configs().items():
         c = bare if name == "off" else cfg

@@ -100,8 +100,8 @@ def run_loop(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]
                     chat_template=False, objectives=["grpo"], steps=a.steps // a.spg,
                     prompts=a.prompts, G=a.G, minibatches=a.spg, lr=1e-5, seed=a.seed,
                     temperature=a.temperature,
-                    progress=False, max_new_tokens=a.tokens, eval_every=0, probes=full,
-                    drift=full, tax_every=1, trace_every=0, threads=1)
+                    progress=False, max_new_tokens=a.tokens, eval_every=0,
+                    instruments="default" if full else "off", tax_every=1, trace_every=0, threads=1)
     inner, times = gl_train.rollout_step, []
 
     def timed(*args, **kw):

@@ -35,7 +35,7 @@ from gradlab.loop.config import RunConfig
 from gradlab.loop.recipes.prop31 import prop31_tandem
 from gradlab.stats import loglog_fit
 
-BASE = dict(prompts=8, G=8, minibatches=4, probes=False, progress=False)
+BASE = dict(prompts=8, G=8, minibatches=4, instruments="off", progress=False)
 # (label, objectives, lr, rollout steps): the default lr, then 10× and 50× for larger steps
 FULL = [("lr 2e-4", ["grpo", "gspo", "dfpo-min"], 2e-4, 20),
         ("lr 2e-3", ["gspo", "dfpo-min"], 2e-3, 10),
