@@ -1,27 +1,19 @@
 """The package layout names the architecture: no import circle between gradlab's modules, the
 science (gradlab.core) imports neither torch.nn models nor the loop, gradlab/loop is one
 sub-package per concern with imports flowing one way (`gradlab.loop.LAYERS`: a module imports
-from its own package and the ones before it, lazy imports included), the flat layout's module
-paths still import, and no file is over ~400 lines."""
+from its own package and the ones before it, lazy imports included), a loop module imports
+only from its file, and no file is over ~400 lines."""
 
 import ast
-import importlib
+import importlib.util
 import sys
-import warnings
 from pathlib import Path
-
-import pytest
 
 import gradlab.loop as loop
 
 PKG = Path(__file__).resolve().parents[1] / "gradlab"
 MAX_LINES = 450  # "~400": check.py and integrations/trl.py sit just over 400
 LOOP = PKG / "loop"
-# the flat layout's modules: each must still import from its old path
-FLAT = ("arch archsweep atomic config dist errors evaluation exitcodes fsdp guard heldout layouts "
-        "livelog lock logprobs metrics policy precision preempt probeset prop31 realmodel "
-        "reference repair reproduce resume rollout selfcheck step store task traces train tree "
-        "untrusted variance").split()
 
 
 def module_name(path: Path) -> str:
@@ -148,19 +140,14 @@ def test_loop_top_level_is_small_and_each_package_says_its_concern():
     assert not long, long
 
 
-@pytest.mark.parametrize("name", FLAT)
-def test_old_loop_paths_import_the_moved_module(name):
-    if name in ("config", "train"):
-        assert importlib.import_module(f"gradlab.loop.{name}").__file__.endswith(f"loop/{name}.py")
-        return
-    new = importlib.import_module(f"gradlab.loop.{loop.MOVED[name]}.{name}")
-    sys.modules.pop(f"gradlab.loop.{name}", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module(f"gradlab.loop.{name}")
-    assert old is new and old.__spec__.name == new.__name__
-    assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message)
-               for w in caught)
+def test_loop_modules_import_only_from_their_files():
+    """gradlab.loop adds no import hook: a name under it that is not a file there (a module of
+    a sub-package named without its package) does not import."""
+    assert not any(type(f).__module__.startswith("gradlab") for f in sys.meta_path)
+    for path in LOOP.rglob("*.py"):
+        if path.parent != LOOP and path.name != "__init__.py" and \
+                not (LOOP / path.name).exists() and not (LOOP / path.stem).is_dir():
+            assert importlib.util.find_spec(f"gradlab.loop.{path.stem}") is None, path
 
 
 def test_package_data_found_from_the_sub_packages():
