@@ -64,7 +64,8 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
+    from gradlab.loop.update.step import StepWork, optimizer_step
+    from gradlab.loop.update.view import loop_instruments
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128,

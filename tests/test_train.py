@@ -17,7 +17,7 @@ from gradlab import objectives
 from gradlab.cli.main import main
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.train import train
-from gradlab.loop.update.step import minibatches
+from gradlab.loop.update.batches import minibatches
 
 DATA = Path(__file__).parent / "data"
 SMALL = dict(steps=2, prompts=4, G=4, minibatches=2, ckpt_every=1, tax_every=1, progress=False,

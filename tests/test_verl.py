@@ -32,7 +32,7 @@ def test_verl_cases_in_verl_env():
 
 
 def _setup():
-    from gradlab.integrations.audit.verl import actor_config
+    from gradlab.integrations.audit.verl_setup import actor_config
     from gradlab.integrations.verl import losses as gv
 
     return gv, actor_config
@@ -148,7 +148,8 @@ def test_split_group_with_micro_batch_local_normaliser_breaks_cancellation():
     normalisers (mini-batch totals) cancel; micro-batch-local ones do not. The mini-batch ρ
     reported equals ρ of the W's of the calls, concatenated (an independent computation)."""
     from gradlab.core.cancellation import cancellation
-    from gradlab.integrations.audit.verl import micro_rows, run_mini_batch
+    from gradlab.integrations.audit.verl import run_mini_batch
+    from gradlab.integrations.audit.verl_setup import micro_rows
     from gradlab.testing import random_batch
 
     gv, _ = _setup()

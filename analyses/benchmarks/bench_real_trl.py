@@ -211,13 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  round {r} {name}: {res[name][-1]}", file=sys.stderr, flush=True)
     nums, table = report(res, a)
     if a.json:
-        from analyses.tools.common import in_process_run
-        from gradlab.provenance import current
+        from gradlab.provenance import current, in_process_row
 
         prov = current()  # every child process runs this checkout's code
         what = f"<{sum(map(len, res.values()))} child processes: one per runner and round>"
         Path(a.json).write_text(jsonio.dumps({"args": vars(a), "provenance": prov, "runs": res,
-                                            "run_provenance": [in_process_run(prov, what)],
+                                            "run_provenance": [in_process_row(prov, what)],
                                             **nums}, indent=1) + "\n")
     if a.table:  # the page's <!-- table:real_trl_cost --> block (the page is made if missing)
         from analyses.tools.quoted_data import replace_table

@@ -84,7 +84,8 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from gradlab.integrations.audit.trl import WORKLOADS, dataset_and_reward, grpo_args
+    from gradlab.integrations.audit.trl import WORKLOADS, grpo_args
+    from gradlab.integrations.audit.trl_setup import dataset_and_reward
     from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
     from gradlab.loop.setup.policy import load_policy
 

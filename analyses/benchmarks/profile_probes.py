@@ -28,7 +28,8 @@ def main() -> None:
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
+    from gradlab.loop.update.step import StepWork, optimizer_step
+    from gradlab.loop.update.view import loop_instruments
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=64)

@@ -39,10 +39,12 @@ from .setup.heldout import TrainSplit, eval_problems, evaluate_heldout
 from .setup.policy import load_policy
 from .setup.realmodel import format_problems, prepare_run
 from .setup.task import BUILTIN_TASKS, check_encodable, get_task
+from .update.batches import minibatches
 from .update.learner import Learner
 from .update.metrics import StepMetrics
 from .update.probeset import probe_metrics, probe_set
-from .update.step import StepWork, loop_instruments, minibatches, optimizer_step
+from .update.step import StepWork, optimizer_step
+from .update.view import loop_instruments
 
 EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected", "time_eval")
 

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from .trl_setup import (  # noqa: F401  (public here too)
+from .trl_setup import (
     GSPO_EPS,
     OFF_SPG,
     WORKLOADS,
     Workload,
     closed_form,
-    dataset_and_reward,
     grpo_args,
     make_trainer,
     pool_windows,

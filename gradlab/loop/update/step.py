@@ -31,7 +31,7 @@ from ..rollouts.rollout import Rollout
 from ..runs.traces import record_trace
 from ..scale.dist import Dist, unwrap
 from ..scale.fsdp import FullGrads, gathered, is_sharded
-from .batches import micro_batches, minibatches  # noqa: F401  (the loop imports them from here)
+from .batches import micro_batches
 from .learner import Learner
 from .metrics import StepMetrics
 from .view import StepView, loop_instruments  # noqa: F401  (loop_instruments: the loop's set)
