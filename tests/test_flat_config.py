@@ -98,3 +98,19 @@ def test_a_flat_saved_reference_is_checked_at_its_spec(tmp_path):
     assert ref["typed"] == ["instruments"] and ref["config"]["instruments"] == "off"
     cfg, changed = check_config(RunConfig(), set(), ref)
     assert cfg.instruments == "off" and not any("instruments" in c for c in changed)
+
+
+def test_same_runs_compares_a_flat_config_as_its_spec(tmp_path):
+    """analyses/tools/same_runs.py: a 0.1 run and its retraining by the current code hold the
+    same options (the flags as their spec); another spec is a difference."""
+    from analyses.tools.same_runs import compare
+
+    flat = json.loads((DATA / "config_0.1_no_probes.json").read_text())
+    for name, data in (("old", flat), ("new", RunConfig.from_json(DATA / "config_0.1_no_probes.json")
+                                       .to_json()), ("other", {**flat, "probes": True})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(data))
+        (tmp_path / name / "metrics.jsonl").write_text("")
+    assert not [d for d in compare(tmp_path / "old", tmp_path / "new")[1] if "config" in d]
+    assert [d for d in compare(tmp_path / "old", tmp_path / "other")[1]
+            if "instruments 'off' vs 'default'" in d]
