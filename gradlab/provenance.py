@@ -190,7 +190,7 @@ def write_in_process(path: str | Path, command: str, seconds: float) -> dict:
 
 def record(run: str | Path, start_step: int) -> dict:
     """Append this process's segment (training from `start_step`) to run/provenance.json."""
-    from .loop.faults.atomic import write_file
+    from .atomic import write_file
 
     seg = {"start_step": int(start_step), **current(), "user_files": user_files(_config(run))}
     old = read(run) or {"segments": []}

@@ -11,13 +11,14 @@ from tolerance import assert_close_f32
 
 from gradlab.core.batch import TokenBatch
 from gradlab.core.nodes import shared_nodes
+from gradlab.instruments.forwards import node_logprobs
 from gradlab.loop.config import RunConfig
 from gradlab.loop.numerics.logprobs import context_logprobs, token_logps
 from gradlab.loop.rollouts.rollout import generate
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
-from gradlab.loop.update.forwards import node_logprobs
 from gradlab.loop.update.metrics import StepMetrics
+from gradlab.loop.update.view import loop_policy
 from gradlab.probes.drift import KL_BUDGET, kl_nodes, kl_rows
 
 
@@ -34,10 +35,10 @@ def run_drift(after_model, cfg, ro, rows, b, held, sn, heavy: bool) -> dict:
     weights moved to `after_model`, π_before at the nodes `held`: the finished metrics."""
     from gradlab.instruments import DivergentDrift, Drift
     from gradlab.loop.scale.dist import Dist
-    from gradlab.loop.update.view import StepView
+    from gradlab.loop.update.view import step_view
 
-    view = StepView(after_model, cfg, ro, rows, Dist(), batch=b, trained_batch=b,
-                    _nodes={"prefix": sn}, _before=held)
+    view = step_view(after_model, cfg, ro, rows, Dist(), batch=b, trained_batch=b)
+    view._nodes, view._before = {"prefix": sn}, held
     acc = StepMetrics()
     for inst in [Drift()] + ([DivergentDrift()] if heavy else []):
         acc.declare(inst.quantities())
@@ -91,7 +92,7 @@ def test_capped_drift_equals_brute_force_at_its_nodes(step, cap):
     ref_kl = kl_rows(full_b[kept], full_a[kept]).mean()
     for mb in (None, 4):
         cfg = RunConfig(progress=False, G=4, micro_batch=mb, temperature=0.8)
-        held = node_logprobs(model, cfg, ro, rows, sn, cap=cap)
+        held = node_logprobs(loop_policy(model, cfg, ro, rows), sn, cap=cap)
         assert torch.equal(held.kept, kept) and held.dist.shape == (kept.numel(), full_b.shape[-1])
         out = run_drift(after_model, cfg, ro, rows, b, held, sn, heavy=False)
         assert out["drift_node_count"] == sn.n and out["drift_node_kl_count"] == kept.numel()

@@ -9,9 +9,9 @@ from torch.func import jacrev
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from gradlab.loop.config import RunConfig
+from gradlab.loop.numerics.logprobs import context_logprobs_fn
 from gradlab.probes.fisher import (
     adam_step_parts,
-    context_logprobs_fn,
     float64_meter,
     half_fisher_form,
     kl_and_fisher,

@@ -81,7 +81,7 @@ def test_presets_equal_their_instruments_at_tax_every(tmp_path):
     assert "rho_prefix" in row and "tax_share" not in row and "drift_node_kl_mean" not in row
     assert more  # the default run measured more
     names = [r["name"] for r in json.loads((cheap / "instruments.json").read_text())]
-    assert names == ["modulation", "residual"]
+    assert names == ["loop", "modulation", "residual"]  # the loop's own records first
     with pytest.raises(ConfigError, match="--instruments"):
         train(RunConfig(out=str(tmp_path / "bad"), instruments="nope", **SMALL))
 
@@ -154,6 +154,33 @@ def test_own_instrument_in_the_loop_is_scheduled_and_drawn(tmp_path):
     assert man[-1]["curves"] == [["shared_mass_share", "share of |W| on full-group tokens"]]
     page = view(run).read_text()
     assert "share of |W| on full-group tokens" in page  # its panel in the page's SVG
+
+
+def test_manifest_names_every_metric_of_a_full_run(tmp_path):
+    """Every metric a run of the `full` preset writes into metrics.jsonl is named in its
+    instruments.json (by name, or by the family of a rule whose names are known at run time),
+    with a unit; every ratio with the reason it can be undefined."""
+    run = tmp_path / "full"
+    train(RunConfig(out=str(run), instruments="full", **{**SMALL, "objectives": ["grpo"],
+                                                         "steps": 1, "tax_every": 1}))
+    keys = set().union(*(r.keys() for r in _rows(run))) - {"step", "objective", "seed", "tokens",
+                                                            "undefined"}
+    entries = [q for row in json.loads((run / "instruments.json").read_text())
+               for q in row.get("metrics", [])]
+    names = {q["name"]: q for q in entries if "name" in q}
+    families = [q for q in entries if "family" in q]
+
+    def entry(k: str) -> dict | None:
+        return names.get(k) or next((q for q in families if k.startswith(q["family"])), None)
+
+    assert any(k.startswith("flips/") for k in keys) and "tax_share" in keys  # the full preset
+    unnamed = sorted(k for k in keys if entry(k) is None)
+    assert not unnamed, f"metrics.jsonl keys the manifest does not name: {unnamed[:12]}"
+    assert all(entry(k)["unit"] for k in keys)
+    ratios = [q for q in entries if "name" in q and not q.get("part_of") and q["unit"] == "ratio"]
+    assert ratios and all(q["undefined"] for q in ratios)
+    assert names["rho_prefix"]["undefined"] == gi.Residual().quantities()[0].undefined
+    assert names["entropy"]["unit"] == "nats" and names["accuracy"]["unit"] == "share"
 
 
 def test_own_instrument_in_trl_equals_the_window_computation(tmp_path):

@@ -367,12 +367,13 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     from test_drift_bounded import run_drift
 
     from gradlab.core.nodes import shared_nodes
+    from gradlab.instruments.forwards import node_logprobs
     from gradlab.loop.config import RunConfig
     from gradlab.loop.numerics.logprobs import token_logps
     from gradlab.loop.rollouts.rollout import generate
     from gradlab.loop.setup.policy import load_policy
     from gradlab.loop.setup.task import ArithmeticTask
-    from gradlab.loop.update.forwards import node_logprobs
+    from gradlab.loop.update.view import loop_policy
 
     model, tok = load_policy()
     task = ArithmeticTask()
@@ -398,7 +399,7 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
     out = {}
     for heavy, mb in ((False, None), (True, None), (True, 4)):
         cfg = RunConfig(progress=False, G=4, micro_batch=mb)
-        nodes_before = node_logprobs(model, cfg, ro, rows, sn)
+        nodes_before = node_logprobs(loop_policy(model, cfg, ro, rows), sn)
         assert torch.equal(nodes_before.kept, torch.arange(sn.n))  # tiny V: every node kept
         assert_close_f32(nodes_before.dist, before[sn.rep, sn.position], msg="node log-probs")
         tok_before = before[sn.rep, sn.position].gather(-1, sn.token[:, None]).squeeze(-1)
@@ -420,12 +421,13 @@ def test_cheap_shared_drift_equals_node_drift_from_full_forwards():
 def test_loop_tax_from_representative_rows_equals_learning_tax():
     """The loop's cheap g_tax (rep rows, truncated forward) equals learning_tax on the full graph."""
     from gradlab.core.nodes import shared_nodes
+    from gradlab.instruments.forwards import tax_step
     from gradlab.loop.config import RunConfig
     from gradlab.loop.numerics.logprobs import token_logps
     from gradlab.loop.rollouts.rollout import generate
     from gradlab.loop.setup.policy import load_policy
     from gradlab.loop.setup.task import ArithmeticTask
-    from gradlab.loop.update.forwards import tax_step
+    from gradlab.loop.update.view import loop_policy
 
     model, tok = load_policy()
     model.train()
@@ -443,7 +445,7 @@ def test_loop_tax_from_representative_rows_equals_learning_tax():
     sn = shared_nodes(b, "prefix")
     params = dict(model.named_parameters())
     full = learning_tax(lp, W, b, params, sn=sn)
-    cheap = tax_step(model, RunConfig(progress=False), ro, rows, b, W, sn)
+    cheap = tax_step(loop_policy(model, RunConfig(progress=False), ro, rows), b, W, sn)
     assert float(full["tax_norm"]) > 0
     for k in ("tax_norm", "total_norm", "tax_share", "tax_cos"):
         assert float(cheap[k]) == pytest.approx(float(full[k]), rel=1e-4), k

@@ -101,24 +101,39 @@ def test_measure_leaves_verl_loss_unchanged_and_W_is_its_gradient(agg):
         W, W_base = gv.last_modulation()
         assert W_base is None
         torch.testing.assert_close(W, probe.W.double(), rtol=1e-12, atol=1e-15)
-        assert {"gradlab/rho_full", "gradlab/rho_trie", "gradlab/mini/rho_full",
-                "gradlab/split_micro"} <= set(m), base
+        assert {"gradlab/rho_prefix", "gradlab/rho_trie", "gradlab/residual_prefix",
+                "gradlab/split_groups_micro", "gradlab/micro_batches"} <= set(m), base
         if base == "vanilla":  # verl's own metrics pass through
             assert "actor/pg_clipfrac" in m
 
 
+MAPPED = (("vanilla", "token-mean"), ("vanilla", "seq-mean-token-mean"),
+          ("vanilla", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean"))
+
+
 @needs_verl
-def test_W_matches_gradlab_closed_form():
-    """vanilla ↔ gradlab grpo (token / seq / const norm), gspo ↔ gradlab gspo: W_dev ≈ 0."""
+@pytest.mark.parametrize("norm", ["engine", "local"])
+def test_w_dev_is_the_exactness_of_W_against_gradlab_closed_form(norm):
+    """vanilla ↔ gradlab grpo (token / seq / const norm), gspo ↔ gradlab gspo, and DFPO on each:
+    the `modulation` instrument's absolute w_dev = max |W − closed form| over the mini-batch
+    (three micro-batches, whole groups) is round-off, against w_max = max |W| of order 1e-2;
+    under DFPO, W is W̃ (what the backward uses). No closed form: no w_dev."""
+    from gradlab.integrations.audit.verl import run_mini_batch
+    from gradlab.integrations.audit.verl_setup import micro_rows
     from gradlab.testing import random_batch
 
-    b = random_batch(n_groups=3, G=4, T=12, seed=2, off_policy=0.1)
-    for base, agg in (("vanilla", "token-mean"), ("vanilla", "seq-mean-token-mean"),
-                      ("vanilla", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean")):
-        _, m, _ = _call(f"gradlab_measure:{base}", b, agg=agg)
-        assert m["gradlab/W_dev"] < 1e-10, (base, agg)
+    gv, _ = _setup()
+    b = random_batch(n_groups=6, G=4, T=12, seed=2, off_policy=0.1)
+    parts = micro_rows(b.group, split=False, seed=0)
+    assert len(parts) == 3
+    for base, agg in MAPPED:
+        for name in (f"gradlab_measure:{base}", f"gradlab_dfpo:{base}:min"):
+            m = run_mini_batch(b, name, agg, parts, norm)
+            assert m["gradlab/w_max"] > 1e-3, (name, agg)
+            assert m["gradlab/w_dev"] < 1e-12, (name, agg)
+    gv.reset()
     _, m, _ = _call("gradlab_measure:vanilla", b, agg="seq-mean-token-sum")
-    assert "gradlab/W_dev" not in m  # gradlab has no closed form for it
+    assert "gradlab/w_dev" not in m and "gradlab/rho_prefix" in m  # no closed form for it
 
 
 @needs_verl
@@ -126,6 +141,7 @@ def test_W_matches_gradlab_closed_form():
 def test_dfpo_on_verl_loss_cancels_and_equals_the_trl_dropin_hook(base):
     """Whole groups: ρ(W̃) ≈ 0 at full-group nodes; the gradient at log_prob equals that of
     gradlab's DFPOGradientTransform hook on verl's own loss (the TRL drop-in's mechanism)."""
+    from gradlab.core.cancellation import cancellation
     from gradlab.probes import DFPOGradientTransform
     from gradlab.testing import random_batch
 
@@ -133,8 +149,8 @@ def test_dfpo_on_verl_loss_cancels_and_equals_the_trl_dropin_hook(base):
     b = random_batch(n_groups=3, G=4, T=12, seed=3, off_policy=0.4)
     agg = "seq-mean-token-mean"  # the base does not cancel here
     loss, m, lp = _call(f"gradlab_dfpo:{base}", b, agg=agg)
-    assert m["gradlab/rho_full"] < 1e-9 and m["gradlab/mini/rho_full"] < 1e-9
-    assert m["gradlab/rho_full_base"] > 0.05
+    assert m["gradlab/rho_prefix"] < 1e-9  # ρ of W̃, the W the backward uses
+    assert cancellation(_setup()[0].last_modulation()[1], b, "prefix").ratio > 0.05  # verl's W
     ref_loss, ref_grad, t = _base_grad(base, b, agg, actor_config(base),
                                        DFPOGradientTransform(b, "orth"))
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)  # verl's value
@@ -158,24 +174,24 @@ def test_split_group_with_micro_batch_local_normaliser_breaks_cancellation():
     out = {}
     for norm in ("engine", "local"):
         Ws = []
-        orig = gv._record
+        orig = gv._gather
 
-        def spy(batch, W, last, orig=orig, Ws=Ws):
+        def spy(batch, W, form, last, orig=orig, Ws=Ws):
             Ws.append(W.clone())
-            return orig(batch, W, last)
+            return orig(batch, W, form, last)
 
-        gv._record = spy
+        gv._gather = spy
         try:
             m = run_mini_batch(b, "gradlab_measure:vanilla", "token-mean", parts, norm)
         finally:
-            gv._record = orig
+            gv._gather = orig
         order = torch.cat(parts)
         W = torch.zeros(b.tokens.shape, dtype=torch.float64)
         W[order] = torch.cat(Ws)
-        assert m["gradlab/mini/rho_full"] == pytest.approx(cancellation(W, b, "prefix").ratio,
-                                                           abs=1e-12)
-        assert m["gradlab/mini/split"] == 1.0
-        out[norm] = m["gradlab/mini/rho_full"]
+        assert m["gradlab/rho_prefix"] == pytest.approx(cancellation(W, b, "prefix").ratio,
+                                                        abs=1e-12)
+        assert m["gradlab/split_groups_micro"] == 1.0 and m["gradlab/micro_batches"] == 3.0
+        out[norm] = m["gradlab/rho_prefix"]
     assert out["engine"] < 1e-9
     assert out["local"] > 0.05
 
@@ -221,7 +237,7 @@ def test_on_the_tiny_model_W_and_dfpo_through_a_real_backward():
     W_t = gv.last_modulation()[0]
     z = torch.zeros_like(ro.old_logps)
     batch = ro.token_batch(z, adv, old_logps=z)
-    assert cancellation(W_t, batch, sn=None).ratio < 1e-6 and m["gradlab/rho_full"] < 1e-6
+    assert cancellation(W_t, batch, sn=None).ratio < 1e-6 and m["gradlab/rho_prefix"] < 1e-6
     model.zero_grad()
     (-(W_t.float() * logps()).sum()).backward()
     for g, p in zip(got, model.parameters()):
@@ -336,39 +352,163 @@ def test_gradlab_ppo_loss_on_verl_real_ppo_loss(uid):
         ref, _ = verl_actor._ORIGINAL["ppo_loss"](actor_config("vanilla"), out, td)
         assert float(loss) == pytest.approx(float(ref), rel=1e-6)
         vals = {key: v.values[-1] if hasattr(v, "values") else v for key, v in m.items()}
-        assert ("gradlab/mini/rho_full" in vals) == (k == 1)
-    assert float(vals["gradlab/mini/split"]) == 1.0
-    assert float(vals["gradlab/mini/micro_batches"]) == 2.0
+        assert ("gradlab/rho_prefix" in vals) == (k == 1)  # once, when the mini-batch closes
+    assert float(vals["gradlab/split_groups_micro"]) == 1.0
+    assert float(vals["gradlab/micro_batches"]) == 2.0
 
 
 @needs_verl
 def test_undefined_rho_is_nan_and_left_out_of_verls_means():
-    """A micro-batch whose groups are all tied (A = 0, so W ≡ 0): ρ is undefined. `_measure`
-    gives NaN (never 0), and the metrics handed to verl leave it out, so verl's mean over
-    micro-batches runs over those that define it; the defined figures stay."""
+    """A mini-batch whose groups are all tied (A = 0, so W ≡ 0): ρ is undefined. The
+    instruments give NaN (never 0), and the metrics handed to verl leave it out, so verl's mean
+    runs over the mini-batches that define it; the defined figures stay."""
     import math
 
     from gradlab.testing import random_batch
 
-    gv, actor_config = _setup()
+    gv, _ = _setup()
     b = random_batch(n_groups=2, G=4, T=10, seed=4)
     tied = b.replace(advantages=torch.zeros_like(b.advantages))
-    _, m, _ = _call("gradlab_measure:vanilla", tied)
-    for k in ("rho_full", "rho_trie", "mini/rho_full", "mini/rho_trie"):
+    seen, orig = [], gv._report
+    gv._report = lambda d: (seen.append(d), orig(d))[1]
+    try:
+        _, m, _ = _call("gradlab_measure:vanilla", tied)
+    finally:
+        gv._report = orig
+    assert math.isnan(seen[0]["rho_prefix"]) and math.isnan(seen[0]["rho_trie"])
+    for k in ("rho_prefix", "rho_trie"):
         assert f"gradlab/{k}" not in m, k
-    assert "gradlab/shared_fraction" in m and "gradlab/mini/micro_batches" in m
-    W = torch.zeros(tied.tokens.shape, dtype=torch.float64)
-    out = gv._measure(W, tied, actor_config("vanilla"), "vanilla", "token-mean", None)
-    assert math.isnan(out["rho_full"]) and math.isnan(out["rho_trie"])
+    assert m["gradlab/w_max"] == 0.0 and m["gradlab/shared_frac_prefix"] > 0
+    assert m["gradlab/micro_batches"] == 1.0
     _, m, _ = _call("gradlab_measure:vanilla", b)  # the same batch, rewards not tied
-    assert math.isfinite(m["gradlab/rho_full"]) and math.isfinite(m["gradlab/mini/rho_trie"])
+    assert math.isfinite(m["gradlab/rho_prefix"]) and math.isfinite(m["gradlab/rho_trie"])
+
+
+@needs_verl
+def test_rho_is_the_loops_residual_instrument_on_the_mini_batch_view():
+    """Groups split over three micro-batches: the reported ρ, residual, mass and shared
+    fraction equal the loop's `residual` instrument run directly on one HostView of the whole
+    mini-batch (its W the concatenated W of the calls), and ρ equals gradlab.core.cancellation
+    on that batch and W."""
+    from gradlab.core.cancellation import cancellation
+    from gradlab.instruments import Residual, reduce_readings
+    from gradlab.instruments.host import HostView
+    from gradlab.testing import random_batch
+
+    gv, actor_config = _setup()
+    b = random_batch(n_groups=4, G=4, T=12, seed=8, off_policy=0.3)
+    parts = [torch.tensor([0, 5, 9, 14, 2]), torch.tensor([1, 4, 8, 12, 13, 15]),
+             torch.tensor([3, 6, 7, 10, 11])]
+    cfg = actor_config("gradlab_measure:gspo")
+    Ws = []
+    gv.reset()
+    for k, rows in enumerate(parts):
+        _, m, _ = _call("gradlab_measure:gspo", b, rows=rows, agg="seq-mean-token-mean",
+                        last=k == len(parts) - 1, cfg=cfg)
+        Ws.append(gv.last_modulation()[0])
+    order = torch.cat(parts)
+    mini = b.replace(tokens=b.tokens[order], mask=b.mask[order], logps=b.logps[order],
+                     old_logps=b.old_logps[order], advantages=b.advantages[order],
+                     group=b.group[order])
+    W = torch.cat(Ws)
+    inst = Residual()
+    ref = reduce_readings([inst.measure(HostView(batch=mini, W=W))], inst.quantities(),
+                          {"n_tokens": float(mini.mask.sum())})
+    for key in ("rho_prefix", "rho_trie", "residual_prefix", "mass_prefix", "scale_prefix",
+                "shared_frac_prefix", "n_shared_trie"):
+        assert m[f"gradlab/{key}"] == pytest.approx(ref[key], rel=1e-12, abs=1e-15), key
+    assert m["gradlab/rho_prefix"] == pytest.approx(cancellation(W, mini, "prefix").ratio,
+                                                    rel=1e-12)
+    assert m["gradlab/rho_prefix"] > 0.01 and m["gradlab/split_groups_micro"] == 1.0
+
+
+@needs_verl
+def test_token_advantages_are_measured_as_the_loss_used_them():
+    """Advantages that vary along a response (gradlab_ibpo's): the view's batch keeps them per
+    token, so w_dev against gradlab grpo on those token advantages is round-off, and ρ equals
+    gradlab.core.cancellation with the token advantages (not a row mean) at both node kinds."""
+    from gradlab.core.cancellation import cancellation
+    from gradlab.testing import random_batch
+
+    gv, _ = _setup()
+    b = random_batch(n_groups=3, G=4, T=12, seed=10, off_policy=0.2)
+    noise = torch.randn(b.tokens.shape, generator=torch.Generator().manual_seed(0),
+                        dtype=b.advantages.dtype)
+    Atok = (b.advantages.unsqueeze(-1) + 0.3 * noise) * b.mask
+    gv.reset()
+    _, m, _ = _call("gradlab_measure:vanilla", b, adv=Atok)
+    W = gv.last_modulation()[0]
+    assert m["gradlab/w_max"] > 1e-3 and m["gradlab/w_dev"] < 1e-12
+    for kind in ("prefix", "trie"):
+        ref = cancellation(W, b.replace(advantages=Atok), kind).ratio
+        assert m[f"gradlab/rho_{kind}"] == pytest.approx(ref, rel=1e-12), kind
+    # at partial (trie) nodes c* reads the advantages: a row mean would give another ρ
+    assert abs(ref - cancellation(W, b, "trie").ratio) > 1e-3
+
+
+@needs_verl
+def test_default_instruments_and_the_refusals():
+    """verl runs the `cheap` preset unless told; an update-phase instrument is refused at
+    `use_instruments` in one line saying why verl cannot give its needs (`MISSING`)."""
+    from gradlab.instruments import Instrument
+    from gradlab.instruments.host import MISSING
+
+    class AroundStep(Instrument):
+        name, phase = "around_step", "update"
+
+    gv, _ = _setup()
+    assert gv.INSTRUMENTS.names == ["modulation", "residual"]
+    try:
+        for name in ("tax", "drift", "drift_divergent", "flips", "fisher"):
+            with pytest.raises(ValueError, match=f"instrument '{name}' needs .*model.*which verl's "
+                               "actor does not give: .*" + MISSING[("verl", "model")]):
+                gv.use_instruments(f"residual,{name}@5")
+            assert gv.INSTRUMENTS.names == ["modulation", "residual"]  # unchanged
+        with pytest.raises(ValueError, match=MISSING[("verl", "grads")]):
+            gv.use_instruments("tax")
+        with pytest.raises(ValueError, match="instrument 'around_step' runs around the optimizer "
+                           "step .*verl's policy loss runs before the backward"):
+            gv.use_instruments([AroundStep()])  # its needs verl gives, its phase it cannot
+        assert gv.use_instruments("off").names == []
+    finally:
+        gv.use_instruments(None)
+    assert gv.INSTRUMENTS.names == ["modulation", "residual"]
+
+
+@needs_verl
+def test_attribution_on_a_mapped_loss_and_refused_on_an_unmapped_one():
+    """vanilla token-mean maps onto gradlab grpo (token norm): attr_* equal the shares of
+    gradlab.core.cancellation.attribution_sums on the same batch; cispo has no closed form:
+    attribution is refused in one line naming verl's loss mode, before verl's loss runs."""
+    from gradlab.core import objectives
+    from gradlab.core.cancellation import attribution_sums
+    from gradlab.testing import random_batch
+
+    gv, _ = _setup()
+    b = random_batch(n_groups=3, G=4, T=12, seed=9, off_policy=0.4)
+    try:
+        gv.use_instruments("cheap,attribution")
+        gv.reset()
+        _, m, _ = _call("gradlab_measure:gspo", b, agg="seq-mean-token-mean")
+        att = attribution_sums(objectives.get("gspo", eps=(0.2, 0.2)), b)
+        assert att["residual"] > 0
+        for mech in ("coupling", "length", "clip"):
+            assert m[f"gradlab/attr_{mech}"] == pytest.approx(att[mech] / att["residual"],
+                                                              rel=1e-9, abs=1e-12), mech
+        gv.reset()
+        with pytest.raises(ValueError, match="instrument 'attribution' needs gradlab's closed "
+                           "form of verl's loss mode 'gradlab_measure:cispo'"):
+            _call("gradlab_measure:cispo", b)
+    finally:
+        gv.use_instruments(None)
+        gv.reset()
 
 
 @needs_verl
 def test_own_instrument_on_every_mini_batch():
     """`use_instruments` (GRADLAB_INSTRUMENTS in the workers) runs a user's instrument on each
-    mini-batch's W and batch: `gradlab/mini/<metric>` equals its computation by hand on the W
-    verl's loss hands back, and a need a mini-batch cannot give is refused."""
+    mini-batch's W and batch: `gradlab/<metric>` equals its computation by hand on the W
+    verl's loss hands back."""
     from pathlib import Path
 
     from gradlab.core.nodes import shared_nodes
@@ -382,8 +522,7 @@ def test_own_instrument_on_every_mini_batch():
         _, m, _ = _call("gradlab_measure:vanilla", b)
         W = gv.last_modulation()[0].abs() * b.mask
         ref = float((W * (shared_nodes(b, "prefix").node >= 0)).sum() / W.sum())
-        assert 0 < ref < 1 and m["gradlab/mini/shared_mass_share"] == pytest.approx(ref, rel=1e-9)
-        with pytest.raises(ValueError, match="needs grads, model"):
-            gv.use_instruments("tax")
+        assert 0 < ref < 1 and m["gradlab/shared_mass_share"] == pytest.approx(ref, rel=1e-9)
+        assert "gradlab/rho_prefix" not in m  # only the instruments chosen
     finally:
-        gv.use_instruments("")
+        gv.use_instruments(None)

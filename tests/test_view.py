@@ -104,3 +104,73 @@ def test_page_of_a_tied_run_says_undefined_never_zero(tmp_path):
     assert table.count('title="no gradient: every group tied"') == 3
     assert "—² undefined (no gradient: every group tied)" in text
     assert "undefined at every step" in text  # the empty ρ panel of the curves says why
+
+
+USER_INSTRUMENT = '''
+import gradlab.instruments as gi
+
+
+class AbsW(gi.Instrument):
+    name = "abs_w_probe"
+    needs = frozenset({"W", "batch"})
+    curves = (("abs_w_mean", "mean |W| per response token"),
+              ("abs_w_per_empty", "|W| per empty cell"))
+
+    def measure(self, view):
+        m = view.batch.mask
+        return gi.Readings(sums={"abs_w_sum": (view.W.abs() * m).sum(), "abs_w_tokens": m.sum(),
+                                 "abs_w_empty": (m * 0).sum()})
+
+    def quantities(self):
+        return [gi.Ratio("abs_w_mean", "abs_w_sum", "abs_w_tokens", "no response token",
+                         unit="W per token"),
+                gi.Ratio("abs_w_per_empty", "abs_w_sum", "abs_w_empty",
+                         "the empty cell holds no token", unit="W per cell")]
+'''
+
+
+def test_view_draws_a_user_instrument_from_the_manifest_alone(tmp_path):
+    """An instrument in a file of its own, measured by `gradlab run --instruments file:Class`;
+    the file is deleted before viewing: the page titles its curves with their units and says
+    why one is undefined, and the run store gives that reason — all from instruments.json."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from gradlab.loop.runs.store import load_run
+
+    mod = tmp_path / "abs_w_probe_mod.py"
+    mod.write_text(USER_INSTRUMENT)
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "gradlab", "run", "grpo", "--out", str(run),
+                    "--steps", "2", "--prompts", "2", "--G", "4", "--minibatches", "1",
+                    "--eval-every", "0", "--probe-contexts", "2", "--no-progress",
+                    "--instruments", f"cheap,{mod}:AbsW"], check=True, cwd=tmp_path)
+    mod.unlink()
+    assert "abs_w_probe_mod" not in sys.modules  # this process never imported it
+    assert main(["view", str(run), "--out", str(tmp_path / "p.html")]) == 0
+    page = (tmp_path / "p.html").read_text()
+    assert "mean |W| per response token [W per token]" in page
+    assert "|W| per empty cell [W per cell] — undefined (the empty cell holds no token)" in page
+    tidy = load_run(run)
+    mean = tidy[tidy["metric"] == "abs_w_mean"]
+    empty = tidy[tidy["metric"] == "abs_w_per_empty"]
+    assert len(mean) == len(empty) == 2 and np.isfinite(mean["value"]).all()
+    assert empty["value"].isna().all()
+    assert (empty["undefined"] == "the empty cell holds no token").all()
+
+
+def test_view_of_a_run_without_its_manifest_says_how_to_remake_it(page_file, tmp_path, capsys):
+    run, _ = page_file
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("instruments.json", "*.lock"))
+    assert main(["view", str(bare), "--out", str(tmp_path / "p.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bare / "instruments.json") in err
+    assert f"python -m gradlab.instruments.manifest {bare}" in err
+    from gradlab.instruments.manifest import remake
+
+    remake(bare)  # the command the message names
+    assert (bare / "instruments.json").read_text() == (run / "instruments.json").read_text()
+    assert main(["view", str(bare), "--out", str(tmp_path / "p.html")]) == 0

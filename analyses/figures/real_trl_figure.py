@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analyses.tools.quoted_data import replace_table  # noqa: E402
+from analyses.tools.quoted_data import real_trl_cell, replace_table  # noqa: E402
 from gradlab import jsonio
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def table(w: pd.DataFrame, size: int = 20) -> tuple[str, dict]:
                 ns.append(len(part))
             out.setdefault(metric, {})[obj] = vals
             counts.setdefault(metric, {})[obj] = ns
-            cells = [_fmt(v, metric) + (f" ({n})" if how == "mean" and n else "")
+            cells = [real_trl_cell(v, metric) + (f" ({n})" if how == "mean" and n else "")
                      for v, n in zip(vals, ns)]
             lines.append(f"| {label} | {OBJECTIVES[obj]} | " + " | ".join(cells) + " |")
     lines.append("\n(n): the block's steps where the quantity is defined (reward and length: "
@@ -126,14 +126,6 @@ def times(w: pd.DataFrame) -> tuple[str, dict]:
                      f"{r['probes']:.3f} | {r['tax']:.1f} | {100 * r['tax_of_step']:.0f} % | "
                      f"{r['peak_rss_gib']:.2f} |")
     return "\n".join(lines) + "\n", out
-
-
-def _fmt(v: float, metric: str) -> str:
-    if math.isnan(v):
-        return "—"
-    if metric in ("share_prefix", "share_trie", "tax_share", "has_prefix", "reward", "heldout_acc"):
-        return f"{100 * v:.1f} %"
-    return f"{v:.3g}"
 
 
 def figure(w: pd.DataFrame, path: Path) -> None:

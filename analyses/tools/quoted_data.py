@@ -13,6 +13,7 @@ holds every committed page equal to its rendering.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -137,11 +138,23 @@ def trl_cost(figures: Path, arg: str) -> str:
 def real_trl(figures: Path, arg: str) -> str:
     """'40.4 %': one cell of figures/real_trl.md's table ('METRIC:OBJECTIVE:BLOCK', block 0..),
     from real_trl.json, formatted as the table formats it."""
-    from analyses.figures.real_trl_figure import _fmt
-
     metric, obj, i = arg.split(":")
     v = json.loads((figures / "real_trl.json").read_text())["table"]["values"][metric][obj][int(i)]
-    return _fmt(float("nan") if v is None else float(v), metric)
+    return real_trl_cell(float("nan") if v is None else float(v), metric)
+
+
+PERCENT_METRICS = ("share_prefix", "share_trie", "tax_share", "has_prefix", "reward", "heldout_acc")
+
+
+def real_trl_cell(v: float, metric: str) -> str:
+    """One number of figures/real_trl.md's table as the table prints it (and a page quotes it):
+    '40.4 %' for a share or rate (PERCENT_METRICS), 3 significant digits otherwise, '—' for NaN
+    (undefined)."""
+    if math.isnan(v):
+        return "—"
+    if metric in PERCENT_METRICS:
+        return f"{100 * v:.1f} %"
+    return f"{v:.3g}"
 
 
 def real_trl_grad(figures: Path, arg: str) -> str:

@@ -367,11 +367,11 @@ def render(results: list[Result], scenarios: list[Scenario]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     # one definition of the options, shared with `gradlab check`
-    from ..cli.args import Parser, _check_args
+    from ..cli.args import Parser, regression_check_options
 
     p = Parser(prog="gradlab check", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _check_args(p)
+    regression_check_options(p)
     return p
 
 

@@ -59,7 +59,9 @@ def _variance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's count)")
 
 
-def _check_args(p: argparse.ArgumentParser) -> None:
+def regression_check_options(p: argparse.ArgumentParser) -> None:
+    """Add the options of `gradlab check` to `p` (the one definition: the long help of
+    `gradlab check --help`, gradlab.check.run's parser, uses it too)."""
     p.add_argument("--update", action="store_true", help="rewrite the baseline (ρ and W per "
                    "scenario, with this machine's fingerprint)")
     p.add_argument("--baseline", help="baseline JSON (default: the committed one; with --loss: "
@@ -403,7 +405,7 @@ def failure_code(e: Exception, args: argparse.Namespace) -> int | None:
     """The exit code of a loop failure `e` after printing its line; None for anything else.
     A failure class is looked up only where its module is loaded (one that is not loaded
     raised nothing), so the argument checks before it never import torch."""
-    from ..loop.faults.atomic import EXIT_WRITE, WriteError
+    from ..atomic import EXIT_WRITE, WriteError
     from ..loop.runs.resume import CorruptFileError
 
     preempt, guard, userloss = (sys.modules.get(f"gradlab.{m}") for m in (

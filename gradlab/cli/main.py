@@ -26,7 +26,6 @@ from ..loop.runs.resume import given_options, read_config, with_stored_config
 from .args import (
     Parser,
     _audit_args,
-    _check_args,
     _doctor_args,
     _eval_args,
     _table_args,
@@ -35,6 +34,7 @@ from .args import (
     add_check_arg,
     failure_code,
     load_check_reference,
+    regression_check_options,
 )
 from .help import HELP  # noqa: E402  (every run option's --help text)
 
@@ -245,12 +245,17 @@ def cmd_table(a: argparse.Namespace) -> int:
 
 @command("instruments", "what a training step can measure: instruments and presets")
 def cmd_instruments(a: argparse.Namespace) -> int:
-    """One line per registered instrument (phase, needs, cost) and the presets."""
+    """One line per registered instrument (what it writes, phase, needs, cost, the hosts that
+    run it and why not the others) and the presets."""
     from ..instruments import PRESETS, available
+    from ..instruments.host import hosts
 
-    print("| instrument | phase | needs | cost |\n|---|---|---|---|")
+    print("| instrument | writes | phase | needs | cost | hosts |\n|---|---|---|---|---|---|")
     for name, cls in available().items():
-        print(f"| {name} | {cls.phase} | {', '.join(sorted(cls.needs))} | {cls.cost} |")
+        ok, why = hosts(cls.needs)
+        where = ", ".join(ok) + "".join(f"; not {h}: {w}" for h, w in why.items())
+        print(f"| {name} | {', '.join(cls.writes) or '—'} | {cls.phase} | "
+              f"{', '.join(sorted(cls.needs))} | {cls.cost} | {where} |")
     print("\npresets (@k: every k-th step; 5 = --tax-every):")
     for name, items in PRESETS.items():
         print(f"  {name}: {', '.join(f'{n}@{k}' for n, k in items) or 'nothing'}")
@@ -301,7 +306,7 @@ def cmd_variance(a: argparse.Namespace) -> int:
 
     names = check_variance_args(a)
 
-    from ..loop.faults.atomic import write_file
+    from ..atomic import write_file
     from ..loop.recipes.variance import measure_variance
     from ..viz.curves import save
     from ..viz.summary import variance_table
@@ -322,7 +327,8 @@ def cmd_variance(a: argparse.Namespace) -> int:
     return 0
 
 
-@command("check", "regression check of cancellation residuals vs a baseline", _check_args)
+@command("check", "regression check of cancellation residuals vs a baseline",
+         regression_check_options)
 def cmd_check(a: argparse.Namespace) -> int:
     if a.baseline and not a.update and not Path(a.baseline).is_file():  # before torch loads
         raise ConfigError(f"--baseline: {a.baseline} does not exist (--update writes a new one)")
@@ -392,10 +398,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+LONG_HELP = {"check": "gradlab.check.run", "doctor": "gradlab.cli.doctor"}  # command → its module
+
+
 def _long_help(cmd: str, argv: list[str]) -> int:
     import importlib
 
-    return importlib.import_module(f"gradlab.{cmd}").main(argv)
+    return importlib.import_module(LONG_HELP[cmd]).main(argv)
 
 
 def _run(args: argparse.Namespace, program: bool) -> int:

@@ -141,3 +141,23 @@ def attribution_sums(objective, batch: TokenBatch, nodes: str = "prefix") -> dic
         r_off = cancellation(objective.modulation(batch, off=(mech,)), batch, sn=sn).residual
         out[mech] = res - r_off
     return out
+
+
+def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, float]:
+    """(Σ|c_{n,k}|, ratio) at full-group nodes with the net coefficient taken per step k.
+
+    W (B, T), step (B,) long. c_{n,k} = Σ of W over the members of node n that sit in step k:
+    what one optimizer step can cancel. Equals the plain residual when no group is split.
+    The ratio Σ|c_{n,k}| / Σ|W| is NaN where it is undefined: no full-group token, or W ≡ 0
+    at the nodes (every group tied); the residual is then 0.
+    """
+    sh = sn.node >= 0
+    if not bool(sh.any()):
+        return 0.0, math.nan
+    k = step - step.min()
+    n_k = int(k.max()) + 1
+    key = sn.node[sh] * n_k + k.unsqueeze(-1).expand_as(sn.node)[sh]
+    Wd = W.detach().double()
+    c = torch.zeros(sn.n * n_k, dtype=Wd.dtype).index_add_(0, key, Wd[sh])
+    res, mass = float(c.abs().sum()), float(Wd[sh].abs().sum())
+    return res, (res / mass if mass > 0 else math.nan)

@@ -30,10 +30,13 @@ from .schedule import Schedule
 NEEDS = {
     "W": "(B, T) measured modulation W = −∂loss/∂log π of the step (all hosts)",
     "batch": "the step's TokenBatch (B, T): tokens, mask, log-probs, advantages, groups (all hosts)",
-    "objective": "the trained objective, with a closed form (gradlab's loop)",
-    "entropy": "(B, T) token entropy, nats (gradlab's loop)",
-    "model": "forwards of the policy before and after the optimizer step (gradlab's loop)",
-    "grads": "the step's accumulated gradient, summed over ranks (gradlab's loop)",
+    "objective": "the trained objective's closed form (gradlab's loop; TRL's and verl's losses "
+                 "gradlab has a closed form of)",
+    "entropy": "(B, T) token entropy, nats (gradlab's loop, TRL)",
+    "model": "forwards of the policy before and after the optimizer step (gradlab's loop, TRL)",
+    "grads": "the step's accumulated gradient, summed over ranks (gradlab's loop, TRL)",
+    "others": "the other objectives of a tandem, for their closed forms on this batch (gradlab's "
+              "loop, same-batch mode)",
 }
 
 
@@ -70,7 +73,8 @@ class Ratio:
     """Metric `name` = Σ num / Σ den over the rollout step (all optimizer steps and ranks),
     NaN when Σ den = 0 (`undefined` says when that happens). Reported only when `num` was
     measured; `drop_num` removes the numerator's sum from the record (a sum with no meaning
-    of its own, e.g. Σ entropy), `drop_den` the denominator's (counts stay)."""
+    of its own, e.g. Σ entropy), `drop_den` the denominator's (counts stay). `unit`: what
+    the value measures ("ratio", "share", "nats", ...), written to the run's instruments.json."""
 
     name: str
     num: str
@@ -78,6 +82,7 @@ class Ratio:
     undefined: str
     drop_num: bool = False
     drop_den: bool = False
+    unit: str = "ratio"
 
     def apply(self, totals: dict, out: dict) -> None:
         if self.num in totals:
@@ -98,6 +103,7 @@ class Derived:
     undefined: str
     drop: tuple[str, ...] = ()  # sums with no meaning of their own, removed from the record
     drop_family: bool = False  # remove every `family…` sum too
+    unit: str = "ratio"  # what its values measure (`Ratio.unit`)
 
     def apply(self, totals: dict, out: dict) -> None:
         if any(k.startswith(self.family) for k in totals):
@@ -123,6 +129,7 @@ class Instrument:
     phase: ClassVar[str] = "step"  # "step": reads the step's W; "update": around opt.step()
     cost: ClassVar[str] = "cheap"  # "cheap": no forward; "forward": extra forwards/backwards
     curves: ClassVar[tuple[tuple[str, str], ...]] = ()  # (metric, title) `gradlab view` draws
+    writes: ClassVar[tuple[str, ...]] = ()  # the metrics it reports (`gradlab instruments`)
 
     def __init__(self, schedule: Schedule | None = None) -> None:
         self.schedule = schedule if schedule is not None else Schedule()

@@ -39,6 +39,8 @@ class Residual(Instrument):
     entropy, the mean entropy at full-group tokens."""
 
     name = "residual"
+    writes = ("rho_prefix", "rho_trie", "shared_frac_prefix", "shared_frac_trie", "entropy_shared",
+              "residual_*", "mass_*", "scale_*", "n_shared_*")
 
     def measure(self, view) -> Readings:
         nodes = view.nodes()
@@ -52,10 +54,10 @@ class Residual(Instrument):
 
     def quantities(self) -> list:
         out = rho_ratios()
-        out += [Ratio(f"shared_frac_{k}", f"n_shared_{k}", "n_tokens", "no response token")
+        out += [Ratio(f"shared_frac_{k}", f"n_shared_{k}", "n_tokens", "no response token", unit="share")
                 for k in KINDS]
         out.append(Ratio("entropy_shared", "entropy_shared_sum", "n_shared_prefix",
-                         "no full-group token", drop_num=True))
+                         "no full-group token", drop_num=True, unit="nats"))
         return out
 
 
@@ -64,6 +66,7 @@ class Modulation(Instrument):
 
     name = "modulation"
     needs = frozenset({"W", "batch", "objective"})
+    writes = ("w_dev", "w_max")
 
     def measure(self, view) -> Readings:
         W = view.W
@@ -76,7 +79,8 @@ class SameBatch(Instrument):
     same-batch mode). others: (name, objective) pairs."""
 
     name = "same_batch"
-    needs = frozenset({"batch"})
+    needs = frozenset({"batch", "others"})
+    writes = ("cf/<objective>/rho_prefix", "cf/<objective>/rho_trie")
 
     def __init__(self, schedule=None, others: list | tuple = ()) -> None:
         super().__init__(schedule)
@@ -105,6 +109,7 @@ class Attribution(Instrument):
 
     name = "attribution"
     needs = frozenset({"batch", "objective"})
+    writes = ("attr_coupling", "attr_length", "attr_clip", "attr_residual")
     cost = "closed-form"
 
     def measure(self, view) -> Readings:
@@ -119,7 +124,7 @@ class Attribution(Instrument):
 
     def quantities(self) -> list:
         return [Ratio(f"attr_{m}", f"attr_{m}_sum", "attr_residual",
-                      "the residual Σ|d| is 0 (nothing to attribute)", drop_num=True)
+                      "the residual Σ|d| is 0 (nothing to attribute)", drop_num=True, unit="share")
                 for m in MECHANISMS]
 
 
@@ -130,6 +135,7 @@ class Tax(Instrument):
 
     name = "tax"
     needs = frozenset({"W", "batch", "model", "grads"})
+    writes = ("tax_share", "tax_cos", "tax_norm", "total_norm", "tax_share/<layer group>")
     phase, cost = "update", "forward"
 
     def before(self, view) -> Readings:
@@ -154,6 +160,7 @@ class Drift(Instrument):
 
     name = "drift"
     needs = frozenset({"batch", "model"})
+    writes = ("drift_node_dlogp_mean", "drift_node_kl_mean", "drift_node_*")
     phase, cost = "update", "forward"
 
     def before(self, view) -> None:
@@ -167,8 +174,8 @@ class Drift(Instrument):
 
     def quantities(self) -> list:
         why = "no full-group node"
-        return [Ratio("drift_node_dlogp_mean", "drift_node_dlogp_sum", "drift_node_count", why),
-                Ratio("drift_node_kl_mean", "drift_node_kl_sum", "drift_node_kl_count", why)]
+        return [Ratio("drift_node_dlogp_mean", "drift_node_dlogp_sum", "drift_node_count", why, unit="nats"),
+                Ratio("drift_node_kl_mean", "drift_node_kl_sum", "drift_node_kl_count", why, unit="nats")]
 
 
 class DivergentDrift(Instrument):
@@ -177,6 +184,7 @@ class DivergentDrift(Instrument):
 
     name = "drift_divergent"
     needs = frozenset({"batch", "model"})
+    writes = ("drift_div_pos_dlogp_mean", "drift_div_neg_dlogp_mean", "drift_div_*")
     phase, cost = "update", "forward"
 
     def after(self, view) -> Readings:
@@ -188,7 +196,7 @@ class DivergentDrift(Instrument):
 
     def quantities(self) -> list:
         return [Ratio(f"drift_{s}_dlogp_mean", f"drift_{s}_dlogp_sum", f"drift_{s}_count",
-                      f"no divergent token with A {'>' if s == 'div_pos' else '<'} 0")
+                      f"no divergent token with A {'>' if s == 'div_pos' else '<'} 0", unit="nats")
                 for s in ("div_pos", "div_neg")]
 
 
@@ -198,6 +206,7 @@ class Flips(Instrument):
 
     name = "flips"
     needs = frozenset({"batch", "model"})
+    writes = ("flips/<sign>/<kind>/<confidence>/<field>",)
     phase, cost = "update", "forward"
 
     def after(self, view) -> Readings:
@@ -220,6 +229,7 @@ class Fisher(Instrument):
 
     name = "fisher"
     needs = frozenset({"batch", "model"})
+    writes = ("fisher_kl_ratio", "fisher_*")
     phase, cost = "update", "forward"
     curves = (("fisher_kl_ratio", "KL / ½ δᵀFδ at shared contexts (Prop. 3.1)"),)
 

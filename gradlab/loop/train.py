@@ -173,7 +173,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals, D: Dist) ->
     start = restore(store, learners, D) if resume else 0  # loop/runs/resume.py
     if D.main:  # the code, machine and thread count of this segment (gradlab/provenance.py)
         record_provenance(store.path, start)
-        write_manifest(store.path, list(instruments))  # what is measured, and its curves
+        write_manifest(store.path, list(instruments), loop=True)  # what is measured: names, units, reasons, curves
     if 0 < start < cfg.steps and cfg.eval_every and start % cfg.eval_every and D.main:
         # the shorter run evaluated at its end (step start-1); an uninterrupted run of this
         # length does not evaluate there, so neither does the resumed one: resume stays exact

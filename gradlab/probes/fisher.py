@@ -19,11 +19,8 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.func import functional_call, jvp
-
-from ..loop.numerics.logprobs import positions
+from torch.func import jvp
 
 Params = dict[str, Tensor]
 F64_ATTN = "gradlab_float64"
@@ -84,29 +81,6 @@ def logprob_jvp(f: Callable[[Params], Tensor], params: Params, delta: Params) ->
                          f"(missing {sorted(set(params) - set(delta))[:3]}, extra {sorted(set(delta) - set(params))[:3]})")
     tangent = {n: delta[n].to(params[n].dtype) for n in params}
     return jvp(f, (params,), (tangent,))
-
-
-def context_logprobs_fn(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
-                        response_ids: Tensor, response_mask: Tensor, rows: Tensor, pos: Tensor,
-                        temperature: float = 1.0) -> Callable[[Params], Tensor]:
-    """f(params) → (K, V) log π(·|h_k) at the K contexts (rows[k], pos[k]) of a rollout layout.
-
-    prompt_ids/prompt_mask (N, P) left-padded, response_ids/response_mask (N, T') right-padded
-    (the layout of `gradlab.loop.numerics.logprobs.token_logps`); the context of (r, t) is the prompt of
-    row r and its response tokens before t, i.e. the distribution of response token t. The
-    logits stay in the model's dtype (use a float64 copy of the model for a precise KL).
-    """
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1)
-    T = response_ids.shape[1]
-    kw = dict(input_ids=ids, attention_mask=mask.long(), position_ids=positions(mask),
-              use_cache=False, logits_to_keep=T + 1)
-
-    def f(params: Params) -> Tensor:
-        logits = functional_call(model, params, (), kw).logits[:, :-1]  # (N, T', V)
-        return F.log_softmax(logits[rows, pos] / temperature, dim=-1)
-
-    return f
 
 
 def kl_and_fisher(f: Callable[[Params], Tensor], before: Params, after: Params,

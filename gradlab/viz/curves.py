@@ -61,7 +61,7 @@ def _sampled_every(tidy: pd.DataFrame, m: str, also=()) -> int:
 
 def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
                     smooth: int = 1, log: tuple = LOG, floor: float = 1e-6,
-                    title: str | None = None) -> plt.Figure:
+                    title: str | None = None, explain: tuple = EXPLAIN) -> plt.Figure:
     """One panel per metric, one line per objective (mean and 95 % Student-t band over seeds).
 
     Reward is left out where it equals accuracy (`panels`); held-out accuracy (eval_accuracy)
@@ -73,12 +73,14 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
     objective that cancels exactly) are raised to it and the band under it is shaded.
     An undefined ρ (NaN in the store: every group tied, no full-group token) is a gap in its
     line, never a point at 0; the panel title gives the reason (`gradlab.viz.undefined`), and
-    a ρ undefined at every step gets an empty panel that says why.
+    a ρ undefined at every step gets an empty panel that says why. explain: the metrics whose
+    undefined steps are said so (default: ρ and the tax share); the reason is the table's
+    `undefined` column where it holds one (`load_run`), else `gradlab.viz.undefined`'s.
     """
     full = tidy  # NaN kept: where a ρ is undefined, and why
     tidy = tidy[tidy["value"].notna()]  # the store melts unmeasured steps to NaN
     have = panels(tidy, metrics)
-    undefined = {m: _undefined_at(full, m, x) for m, _ in metrics if m in EXPLAIN}
+    undefined = {m: _undefined_at(full, m, x) for m, _ in metrics if m in explain}
     und_steps = {m: {s for v in (u if x == "step" else _undefined_at(full, m, "step")).values()
                      for s, _ in v} for m, u in undefined.items()}
     have += [(m, t) for m, t in metrics if undefined.get(m) and m not in dict(have)]
@@ -139,7 +141,8 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
 
 def _undefined_at(full: pd.DataFrame, m: str, x: str) -> dict:
     """{objective: [(x value, reason)]} where metric m is undefined for every seed (NaN with a
-    cause, `gradlab.viz.undefined.step_reason`; a step where it was not measured is not one)."""
+    cause: the table's `undefined` column where it holds one, else
+    `gradlab.viz.undefined.step_reason`; a step where it was not measured is not one)."""
     from .undefined import NOT_MEASURED, step_reason
 
     out: dict = {}
@@ -147,8 +150,14 @@ def _undefined_at(full: pd.DataFrame, m: str, x: str) -> dict:
         if m not in set(d["metric"]):
             continue
         wide = d.pivot_table(index=x, columns="metric", values="value", dropna=False)
+        stored = {}
+        if "undefined" in d:
+            at = d[(d["metric"] == m) & d["undefined"].notna()]
+            stored = at.groupby(x, sort=False)["undefined"].first().to_dict()
         for xv, row in wide.iterrows():  # the mean over seeds: NaN when every seed's is
             why = step_reason(row, m)
+            if why == NOT_MEASURED and xv in stored:
+                why = str(stored[xv])
             if why not in (None, NOT_MEASURED):
                 out.setdefault(o, []).append((xv, why))
     return out

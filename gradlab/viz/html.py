@@ -22,25 +22,26 @@ from pathlib import Path
 import pandas as pd
 
 from .. import jsonio
-from ..instruments.manifest import manifest_curves
-from ..loop.faults.atomic import write_file
-from .curves import CURVES, plt, training_curves
+from ..atomic import write_file
+from ..instruments.manifest import Manifest
+from .curves import plt, training_curves
 from .runs import run_title
 
 FIELDS = ["row", "position", "text", "W", "W_closed", "A", "r", "s", "prefix_node",
           "trie_node", "trie_size", "clip", "opt_step", "parent", "branch_at"]
 
 
-def curves_svg(tidy: pd.DataFrame, extra: list[tuple[str, str]] = ()) -> str:
-    """The run's training curves (x = rollout step) as an inline <svg> element; `extra`:
-    (metric, title) curves the run's instruments declared (`instruments.json`)."""
+def curves_svg(tidy: pd.DataFrame, manifest: Manifest) -> str:
+    """The run's training curves (x = rollout step) as an inline <svg> element: the curves its
+    manifest (`instruments.json`) declares, each titled with its unit, where undefined with
+    the reason (the tidy table's `undefined` column, from the run's records and manifest)."""
     d = tidy[~tidy["metric"].astype(str).str.startswith("time_")]
-    known = {m for m, _ in CURVES}
-    curves = CURVES + [c for c in extra if c[0] not in known]
-    have = [c for c in curves if c[0] in set(d["metric"])]
+    have = [(m, f"{t} [{manifest.unit(m)}]" if manifest.unit(m) else t)
+            for m, t in manifest.curves if m in set(d["metric"])]
     if not have:
         return "<p>no curves in this run</p>"
-    fig = training_curves(d, have, x="step", log=("rho_prefix", "rho_trie"))
+    fig = training_curves(d, have, x="step", log=tuple(manifest.log & {m for m, _ in have}),
+                          explain=tuple(m for m, _ in have))
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
     plt.close(fig)
@@ -104,7 +105,8 @@ def view(run: str | Path, out: str | Path | None = None, refresh: float | None =
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run} is not a run folder (no config.json)")
     tidy = load_run(run) if (run / "metrics.jsonl").exists() else None
-    svg = curves_svg(tidy, manifest_curves(run)) if tidy is not None else "<p>no metrics</p>"
+    # names, units, curves and reasons: the run's manifest (a run without one: a one-line error)
+    svg = curves_svg(tidy, Manifest.read(run)) if tidy is not None else "<p>no metrics</p>"
     summary = summary_html(tidy) if tidy is not None and len(tidy) else ""
     try:
         payload = trace_payload(load_traces(run))

@@ -79,7 +79,7 @@ NOTE = ("ρ: cancellation ratio at shared nodes (0 = the shared part cancels; un
 def write_run_summary(run: str | Path, cfg=None) -> str:
     """Write RUN/summary.md (the table of `run_table` under a one-line description of the run)
     and return the table."""
-    from ..loop.faults.atomic import write_file
+    from ..atomic import write_file
 
     table = run_table(run)
     what = (f"{cfg.steps} rollout steps × {cfg.prompts} prompts × G={cfg.G} on {cfg.task}, "

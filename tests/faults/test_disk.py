@@ -170,7 +170,7 @@ def test_torn_metrics_line_is_reported_once_and_repaired_on_resume(one_step, ref
 
 def test_write_error_names_wrapped_os_errors():
     """safetensors and Arrow report OS errors inside their own messages: still named."""
-    from gradlab.loop.faults.atomic import WriteError, writing
+    from gradlab.atomic import WriteError, writing
 
     with pytest.raises(WriteError, match=r"^cannot write /x/y: File too large \[EFBIG\]$"):
         with writing("/x/y"):

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..trl.host import closed_form
 from .trl_setup import (
     GSPO_EPS,
     OFF_SPG,
     WORKLOADS,
     Workload,
-    closed_form,
     grpo_args,
     make_trainer,
     pool_windows,
@@ -53,7 +53,8 @@ def audit_setting(loss_type: str, level: str, off: bool, workload: Workload, gen
     spg = OFF_SPG if off else 1
     with tempfile.TemporaryDirectory() as tmp, quiet():
         args = grpo_args(loss_type, level, spg, gens * spg, tmp, seed=seed)
-        tr = make_trainer(args, workload, GradlabConfig(store=None, dfpo=dfpo, keep_windows=True))
+        tr = make_trainer(args, workload, GradlabConfig(store=None, dfpo=dfpo, keep_windows=True,
+                                                         instruments="off"))
         tr.train()
     obj = closed_form(loss_type, level, args) if dfpo is None else None
     row = {"workload": workload.name, "loss_type": loss_type, "level": level,

@@ -194,7 +194,7 @@ def audit_option(opt: Option, off: bool, workload: Workload, gens: int, seed: in
     spg = opt.off_spg if off else 1
     with tempfile.TemporaryDirectory() as tmp, quiet():
         args = grpo_args(*BASE, spg, gens * spg, tmp, seed=seed, **opt.extra)
-        tr = make_trainer(args, workload, GradlabConfig(store=None, keep_windows=True),
+        tr = make_trainer(args, workload, GradlabConfig(store=None, keep_windows=True, instruments="off"),
                           cls=OptionAuditTrainer)
         if opt.noise is not None:
             tr.emulate(opt.noise, seed=seed)

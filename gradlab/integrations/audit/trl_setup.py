@@ -131,25 +131,11 @@ def quiet():
 # ----------------------------------------------------------------------------- measuring
 
 
-def closed_form(loss_type: str, level: str, args):
-    """gradlab's closed-form objective for a TRL setting, or None where gradlab has none."""
-    from ...core import objectives
-
-    eps = (args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon)
-    if level == "sequence":
-        return objectives.get("gspo", eps=eps) if loss_type == "grpo" else None
-    norm = {"grpo": "seq", "bnpo": "token", "dapo": "token", "dr_grpo": "const"}.get(loss_type)
-    if norm is None:
-        return None
-    return objectives.get("grpo", eps=eps, norm=norm,
-                          max_len=args.max_completion_length if norm == "const" else None)
-
-
 def pool_windows(windows: list, objective=None) -> dict[str, float]:
     """ρ's pooled over windows (Σ|d| / Σ|W|), split share, closed-form ρ and attribution."""
-    from ...core.cancellation import attribution_sums, cancellation
+    from ...core.batch import split_share
+    from ...core.cancellation import attribution_sums, cancellation, stepwise_residual
     from ...core.nodes import shared_nodes
-    from ..trl.trainer import split_share, stepwise_residual
 
     acc = dict.fromkeys(("res", "mass", "res_step", "res_trie", "mass_trie", "res_cf", "mass_cf"), 0.0)
     shares, split = dict.fromkeys(("coupling", "length", "clip", "residual"), 0.0), []

@@ -68,7 +68,37 @@ def run_mini_batch(batch: TokenBatch, loss_mode: str, agg: str, parts: list[torc
                                response_mask=batch.mask[rows], loss_agg_mode=agg, config=cfg,
                                rollout_is_weights=None)
         loss.backward()
-    return metrics
+    dev = relative_dev(batch, parts[-1], loss_mode, agg, cfg)
+    return metrics if dev is None else {**metrics, "W_dev_closed_form": dev}
+
+
+def relative_dev(batch: TokenBatch, rows: torch.Tensor, loss_mode: str, agg: str, cfg) -> float | None:
+    """max |W − W_gradlab| / max |W| of the last loss call (micro-batch `rows`), W verl's own
+    (the base loss's under DFPO), W_gradlab the closed form of its base loss on that
+    micro-batch; None where gradlab has no closed form. The absolute max the `modulation`
+    instrument reports (`gradlab/w_dev`) over a whole mini-batch is another number."""
+    import torch
+
+    from ...core.batch import TokenBatch
+    from ..verl.losses import last_modulation
+    from ..verl.parts import _global_totals, closed_form, row_advantages
+
+    base = loss_mode.split(":")[1] if ":" in loss_mode else "vanilla"
+    mask = batch.mask[rows]
+    form = closed_form(base, agg, cfg, mask.shape[1])
+    if form is None:
+        return None
+    W, W_base = last_modulation()
+    ref = W if W_base is None else W_base
+    adv = row_advantages(batch.advantages[rows].unsqueeze(-1).expand(mask.shape), mask, False, "")
+    micro = TokenBatch(tokens=batch.tokens[rows], mask=mask,
+                       logps=batch.logps[rows].to(torch.float64),
+                       old_logps=batch.old_logps[rows].to(torch.float64),
+                       advantages=adv.to(torch.float64), group=batch.group[rows], validate=False,
+                       **_global_totals(cfg))
+    Wc = form.modulation(micro)
+    scale = float(ref.abs().max()) or 1.0  # W ≡ 0: the absolute deviation (0 = agree)
+    return float((ref.double() - Wc).abs().max()) / scale
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -145,9 +175,9 @@ def audit_row(batches: dict, mode: str, agg: str) -> dict:
                     raise
                 rhos, note = [], str(e)
                 break
-            rhos.append(m["gradlab/mini/rho_full"])
-            splits.append(m["gradlab/mini/split"])
-            devs += [m["gradlab/W_dev"]] if "gradlab/W_dev" in m else []
+            rhos.append(m["gradlab/rho_prefix"])
+            splits.append(m["gradlab/split_groups_micro"])
+            devs += [m["W_dev_closed_form"]] if "W_dev_closed_form" in m else []
         row[f"rho_{key}"] = sum(rhos) / len(rhos) if rhos else float("nan")
         if grouping == "split":
             row[f"split_{key}"] = sum(splits) / len(splits) if splits else float("nan")

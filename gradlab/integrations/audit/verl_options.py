@@ -163,7 +163,6 @@ def option_row(batches: dict, opt: Option, helper=None) -> dict:
     from ...core.batch import split_share
     from ...core.cancellation import cancellation
     from ...core.nodes import shared_nodes
-    from ...probes.residuals import defined_ratio
     from .verl_setup import micro_rows
 
     row = {"option": opt.name, "loss_mode": BASE[0], "loss_agg_mode": BASE[1]}
@@ -172,8 +171,8 @@ def option_row(batches: dict, opt: Option, helper=None) -> dict:
         for s, b in enumerate(batches[pol]):
             W, keep = run_option(b, opt, grouping == "split", s, helper)
             nodes = shared_nodes(b, "trie")
-            rho.append(defined_ratio(cancellation(W, b, sn=nodes.full_group())))
-            trie.append(defined_ratio(cancellation(W, b, sn=nodes)))
+            rho.append(cancellation(W, b, sn=nodes.full_group()).ratio)  # NaN where undefined
+            trie.append(cancellation(W, b, sn=nodes).ratio)
             rows = micro_rows(b.group, grouping == "split", s)
             micro = b.group.new_zeros(b.B)
             for k, r in enumerate(rows):

@@ -44,32 +44,29 @@ from unittest import mock
 
 import torch
 from torch import Tensor
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer import grpo_trainer as _grpo_module
 
-from ...core.batch import TokenBatch
+from ...core.batch import TokenBatch, split_share
 from ...core.dfpo import SCOPES, TRANSFORMS
 from ...core.nodes import NODE_KINDS
-from ...instruments import InstrumentSet, resolve
+from ...instruments import InstrumentSet, Readings, reduce_readings, resolve
+from ...instruments.host import HOSTS
 from ...instruments.manifest import write_manifest
-from ...instruments.window import OFFERED as WINDOW_GIVES
-from ...instruments.window import WindowView, measure_window
 from ...loop.runs.store import RunStore
 from ...loop.runs.traces import trace_window
 from ...probes import DFPOGradientTransform, ModulationProbe
+from .host import closed_form, trl_view
 from .ibpo import IBPOLoss, check_trainer, local_advantages, parse_loss
 from .resume import ResumeMixin, open_store
-from .tax import TRLTaxProbe, check_tax
-from .window import (  # noqa: F401  (public here too)
+from .window import (
     GROUP_KEY,
     ROW_KEY,
     Window,
-    drift_figures,
     grouped_shuffle,
     reconstruct_groups,
-    split_share,
-    stepwise_residual,
-    window_metrics,
+    tied_share,
 )
 
 log = logging.getLogger("gradlab")
@@ -91,11 +88,13 @@ class GradlabConfig:
         for that many groups, in the run store (0 = none).
     loss: None (TRL's GRPO advantages) or "ibpo[form=..., reweight=..., scale=...]": IBPO token
         advantages fed to TRL's loss (module doc; `gradlab.integrations.trl.ibpo`).
-    tax_every: the learning tax ‖g_tax‖/‖g‖ on every k-th optimizer step of a measured window
-        (0 = off; one extra forward + backward over the nodes' rows: `gradlab.integrations.trl.tax`).
-    instruments: more instruments run on every measured window, a spec string
-        (`gradlab.instruments.resolve`: "my.mod:Spread@2"; the loop's own objects, on the
-        window's W and batch), logged as `gradlab/<metric>` and drawn by `gradlab view`.
+    instruments: what is measured, a spec string (`gradlab.instruments.resolve`: a preset
+        "off" | "cheap" | "default" | "full", names with "@k" schedules, "my.mod:Spread"): the
+        loop's own instrument objects, run on every optimizer step of a measured window
+        (schedules count windows, as the loop's count rollout steps), reduced over the window
+        and logged as `gradlab/<metric>` under the loop's names; `gradlab view` draws them.
+        Instruments that need the objective (modulation, attribution) need a TRL loss gradlab
+        has a closed form of (`host.closed_form`); "residual" runs with any loss.
     """
 
     store: str | None = "auto"
@@ -110,8 +109,7 @@ class GradlabConfig:
     trace_every: int = 1
     trace_groups: int = 2
     loss: str | None = None
-    tax_every: int = 0
-    instruments: str = ""
+    instruments: str = "cheap"
 
     def __post_init__(self) -> None:
         for name, valid in (("dfpo", (None, *TRANSFORMS)), ("dfpo_nodes", NODE_KINDS),
@@ -119,9 +117,6 @@ class GradlabConfig:
             if getattr(self, name) not in valid:
                 shown = "≥ 1" if name == "every" else valid
                 raise ValueError(f"GradlabConfig: {name}={getattr(self, name)!r}; valid: {shown}")
-        if not isinstance(self.tax_every, int) or self.tax_every < 0:
-            raise ValueError(f"GradlabConfig: tax_every={self.tax_every!r}; valid: an int ≥ 0 "
-                             "(0 = no tax probe)")
         if min(self.trace_every, self.trace_groups) < 0:
             raise ValueError(f"GradlabConfig: trace_every={self.trace_every}, trace_groups="
                              f"{self.trace_groups}; valid: ≥ 0 (0 = no traces)")
@@ -133,9 +128,9 @@ class GradlabConfig:
                                  "needs one advantage per sequence, IBPO gives one per token")
 
     def instrument_set(self) -> InstrumentSet:
-        """The extra instruments (`instruments`), checked against what a window gives."""
-        chosen = InstrumentSet(resolve(self.instruments) if self.instruments else [])
-        chosen.check(set(WINDOW_GIVES), "TRL's window (W and the batch)")
+        """The instruments (`instruments`), checked against what TRL's trainer gives."""
+        chosen = InstrumentSet(resolve(self.instruments))
+        chosen.check(set(HOSTS["trl"]), "TRL's trainer")
         return chosen
 
     @property
@@ -153,10 +148,12 @@ class GradlabMixin(ResumeMixin):
     def __init__(self, *args, gradlab: GradlabConfig | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.gradlab = gradlab if gradlab is not None else GradlabConfig()
-        self._gl_check()
-        self._gl_tax = TRLTaxProbe(self.gradlab.tax_every)  # `trainer._gl_tax.steps`: per step
         self._gl_instruments = self.gradlab.instrument_set()
-        check_tax(self)
+        self._gl_objective = closed_form(self.loss_type, self.importance_sampling_level, self.args)
+        self._gl_check()
+        self._gl_readings: list[Readings] = []  # the current window's optimizer steps
+        self._gl_view = None  # the optimizer step in flight (its update-phase instruments)
+        self.add_callback(_AfterOptimizerStep(self))
         self._gl_gen: dict | None = None  # local unshuffled generation batch
         self._gl_parts: list[dict] = []  # one per loss call of the current window
         self._gl_armed, self._gl_inputs = False, None
@@ -174,6 +171,19 @@ class GradlabMixin(ResumeMixin):
                              "per-token log-probs, so no hook can see W; set it to False")
         if self.gradlab.loss is not None:
             check_trainer(self, self.gradlab.loss)
+        for inst in self._gl_instruments:
+            if "objective" in inst.needs and self._gl_objective is None:
+                raise ValueError(
+                    f"GradlabConfig: instrument {inst.name!r} needs the objective's closed form, "
+                    f"and gradlab has none of TRL's loss_type={self.loss_type!r} at "
+                    f"importance_sampling_level={self.importance_sampling_level!r}; measure "
+                    "without it (e.g. instruments=\"residual\")")
+            if inst.phase == "update" and self.accelerator.num_processes > 1:
+                raise ValueError(
+                    f"GradlabConfig: instrument {inst.name!r} reads the policy around the "
+                    f"optimizer step, in one process; this run has "
+                    f"{self.accelerator.num_processes} (measure step-phase instruments only, "
+                    "e.g. instruments=\"cheap\")")
         if self.gradlab.dfpo is None:
             return
         if self.beta != 0.0:
@@ -229,6 +239,8 @@ class GradlabMixin(ResumeMixin):
             self._gl_gen = {"prompt_ids": out["prompt_ids"], "prompt_mask": out["prompt_mask"],
                             "tokens": cids, "mask": mask, "loss_mask": loss,
                             "advantages": out["advantages"], "group": group}
+            if self.accelerator.num_processes > 1:  # labels over every process's rows
+                self._gl_gen["global_group"] = self._gl_global_groups(out)
             self._gl_tokens += int(self.accelerator.gather(loss.sum()).sum())  # all processes
         return out
 
@@ -253,16 +265,68 @@ class GradlabMixin(ResumeMixin):
         if not self._gl_armed or not out[0].requires_grad:
             return out
         self._gl_armed = False  # the first grad-carrying call is the policy's log-probs
-        return (self._gl_watch(out[0], self._gl_inputs), *out[1:])
+        logps = self._gl_watch(out[0], self._gl_inputs)
+        if self._gl_parts and self._gl_parts[-1]["micro"] == self._step and out[1] is not None:
+            self._gl_parts[-1]["entropy"] = out[1].detach()
+        return (logps, *out[1:])
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         out = super().training_step(model, inputs, num_items_in_batch)
         if self._gl_parts and "hooks" in self._gl_parts[-1]:
             self._gl_harvest(self._gl_parts[-1])
-            self._gl_tax.after_backward(self, self._gl_parts[-1])  # on its schedule
+        if self._gl_parts and self.accelerator.sync_gradients:  # this call ends an optimizer step
+            self._gl_step()
         if self._gl_parts and self._step % self.args.steps_per_generation == 0:
             self._gl_close_window()
         return out
+
+    # --- per optimizer step ------------------------------------------------------------
+    def _gl_step(self) -> None:
+        """The optimizer step's loss calls are done, its gradient accumulated (not yet clipped):
+        run the due instruments on the step's view; the update-phase ones read the policy now
+        and again after the optimizer step (`_AfterOptimizerStep`)."""
+        parts = [p for p in self._gl_parts if not p.get("stepped")]
+        for p in parts:
+            p["stepped"] = True
+        if not parts or not all(p["measure"] for p in parts) or self._gl_gen is None:
+            return
+        k = self._gl_win0 + parts[0]["micro"] // self.args.steps_per_generation  # window index
+        view = trl_view(self, self._gl_gen, parts, self._gl_objective)
+        if self.accelerator.num_processes > 1:
+            view = self._gl_gathered(view, parts)
+        self._gl_readings.append(self._gl_instruments.measure(view, k))
+        updating = self._gl_instruments.due(k, "update")
+        for inst in updating:
+            if (r := inst.before(view)) is not None:
+                self._gl_readings.append(r)
+        self._gl_view = (view, updating) if updating else None
+
+    def _gl_after_step(self) -> None:
+        """After TRL's optimizer step: the update-phase instruments' second reading."""
+        if self._gl_view is None:
+            return
+        view, updating = self._gl_view
+        self._gl_view = None
+        for inst in updating:
+            self._gl_readings.append(inst.after(view))
+
+    def _gl_gathered(self, view, parts: list[dict]):
+        """Data parallelism: the step's rows of every process, so that a group whose rows sit
+        on several processes is one group (labels of the gathered generation batch)."""
+        acc, b = self.accelerator, view.batch
+
+        def g(v: Tensor) -> Tensor:
+            v = v.long() if v.dtype == torch.bool else v
+            return acc.gather(acc.pad_across_processes(v, dim=1) if v.dim() == 2 else v)
+
+        rows = torch.cat([p["row"] for p in parts])
+        group = g(self._gl_gen["global_group"][rows])
+        view.batch = TokenBatch(tokens=g(b.tokens), mask=g(b.mask).bool(), logps=g(b.logps),
+                                old_logps=g(b.old_logps), advantages=g(b.advantages),
+                                group=torch.unique(group, return_inverse=True)[1], validate=False)
+        view.W, view.trained_batch, view._nodes = g(view.W), None, None
+        view.entropy = g(view.entropy) if view.entropy is not None else None
+        return view
 
     # --- per loss call -----------------------------------------------------------------
     def _gl_watch(self, logps: Tensor, inputs: dict) -> Tensor:
@@ -329,21 +393,29 @@ class GradlabMixin(ResumeMixin):
         part["W_base"] = None if W_base is None else W_base / P
 
     # --- per window --------------------------------------------------------------------
+    def _gl_global_groups(self, out: dict) -> Tensor:
+        """(B,) group labels of this process's rows among every process's rows (rank-major,
+        the global sampler order), so a group cut over processes keeps one label."""
+        acc = self.accelerator
+        ids = acc.gather(acc.pad_across_processes(out["prompt_ids"], dim=1, pad_first=True))
+        am = acc.gather(acc.pad_across_processes(out["prompt_mask"], dim=1, pad_first=True))
+        B = out["prompt_ids"].shape[0]
+        return reconstruct_groups(ids, am, self.num_generations)[acc.process_index * B:][:B]
+
     def _gl_close_window(self) -> None:
         parts, self._gl_parts = self._gl_parts, []
-        tax = self._gl_tax.drain()  # the window's taxed optimizer steps (empty: none)
+        readings, self._gl_readings = self._gl_readings, []
         gen = self._gl_gen
         if gen is None or not all(p["measure"] for p in parts):
             return
         w = self._gl_assemble(parts, gen)
         if w is None:
             return
-        w.metrics = window_metrics(w.batch, w.W, w.opt, w.micro, w.W_base, self.gradlab.trie,
-                                   w.loss_mask)
-        w.metrics.update(tax)
-        due = self._gl_instruments.due(w.index)
-        if due:  # the user's instruments, the same objects as in gradlab's loop
-            w.metrics.update(measure_window(due, WindowView(w.batch, w.W)))
+        # the loop's reduction of its optimizer steps' readings: the same names and numbers
+        w.metrics = reduce_readings(readings, self._gl_instruments.quantities(),
+                                    {"n_tokens": float(w.loss_mask.sum())})
+        w.metrics.update(split_share=split_share(w.batch.group, w.opt),
+                         zero_std_share=tied_share(w.batch))
         self.gradlab_window = w
         if self.gradlab.keep_windows:
             self.gradlab_windows.append(w)
@@ -432,6 +504,16 @@ def _pad_token_id(processing_class) -> int:
         raise ValueError("gradlab: the tokenizer has no pad_token_id; TRL pads completions "
                          "with it (set tokenizer.pad_token)")
     return int(tok.pad_token_id)
+
+
+class _AfterOptimizerStep(TrainerCallback):
+    """Calls the trainer's update-phase instruments right after TRL's optimizer step."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._gl_after_step()
 
 
 class GradlabGRPOTrainer(GradlabMixin, GRPOTrainer):

@@ -1,6 +1,6 @@
 """The pure parts of the TRL integration: a window of loss calls, group reconstruction from
-TRL's inputs, the group-preserving shuffle and the per-window metrics (all tensor functions, no
-trainer; gradlab.integrations.trl wires them into GRPOTrainer)."""
+TRL's inputs, the group-preserving shuffle and the share of tied groups (tensor functions, no
+trainer; gradlab.integrations.trl.trainer wires them into GRPOTrainer)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ...core.batch import TokenBatch, group_index, split_share
-from ...core.nodes import SharedNodes
-from ...instruments import Residual
-from ...instruments.window import WindowView, measure_window
+from ...core.batch import TokenBatch, group_index
 
 ROW_KEY, GROUP_KEY = "gradlab_row", "gradlab_group"  # (B,) long tensors added to TRL's batch
 
@@ -80,46 +77,6 @@ def grouped_shuffle(seq_dict: dict) -> dict:
     return {k: permute(v) for k, v in seq_dict.items()}
 
 
-def stepwise_residual(W: Tensor, sn: SharedNodes, step: Tensor) -> tuple[float, float]:
-    """(Σ|c_{n,k}|, ratio) at full-group nodes with the net coefficient taken per step k.
-
-    W (B, T), step (B,) long. c_{n,k} = Σ of W over the members of node n that sit in step k:
-    what one optimizer step can cancel. Equals the plain residual when no group is split.
-    The ratio Σ|c_{n,k}| / Σ|W| is NaN where it is undefined: no full-group token, or W ≡ 0
-    at the nodes (every group tied); the residual is then 0.
-    """
-    sh = sn.node >= 0
-    if not bool(sh.any()):
-        return 0.0, math.nan
-    k = step - step.min()
-    n_k = int(k.max()) + 1
-    key = sn.node[sh] * n_k + k.unsqueeze(-1).expand_as(sn.node)[sh]
-    Wd = W.detach().double()
-    c = torch.zeros(sn.n * n_k, dtype=Wd.dtype).index_add_(0, key, Wd[sh])
-    res, mass = float(c.abs().sum()), float(Wd[sh].abs().sum())
-    return res, (res / mass if mass > 0 else math.nan)
-
-
-def drift_figures(batch: TokenBatch, sn: SharedNodes,
-                  loss_mask: Tensor | None = None) -> dict[str, float]:
-    """Mean Δl = l_used − l_old (nats) at full-group node tokens and at divergent tokens by the
-    sign of A: how far the earlier optimizer steps of the window moved the policy since
-    sampling, free from TRL's own log-probs (KL would need full distributions: not kept).
-    Only tokens of `loss_mask` (B, T) bool count (None: every token of batch.mask): TRL
-    computes a dropped row's log-probs without attending to its completion. A mean over no
-    token (no full-group token, no row of that sign) is NaN: undefined."""
-    dl = (batch.logps - batch.old_logps).double()
-    A = batch.adv_tokens
-    live = batch.mask if loss_mask is None else batch.mask & loss_mask
-    div = live & (sn.node < 0)
-    out = {}
-    for name, keep in (("node", live & (sn.node >= 0)), ("div_pos", div & (A > 0)),
-                       ("div_neg", div & (A < 0))):
-        n = int(keep.sum())
-        out[f"drift_{name}_dlogp"] = float(dl[keep].sum()) / n if n else math.nan
-    return out
-
-
 def tied_share(batch: TokenBatch) -> float:
     """Share of groups whose every advantage is 0 (equal rewards: no gradient from them); NaN
     with no group."""
@@ -127,37 +84,3 @@ def tied_share(batch: TokenBatch) -> float:
     moving = ((batch.adv_tokens.abs() * batch.mask).sum(-1) > 0).double()  # (B,)
     n = torch.zeros(sizes.numel(), dtype=moving.dtype, device=moving.device).index_add_(0, gid, moving)
     return float((n == 0).double().mean()) if sizes.numel() else math.nan
-
-
-def window_metrics(batch: TokenBatch, W: Tensor, opt: Tensor, micro: Tensor,
-                   W_base: Tensor | None = None, trie: bool = True,
-                   loss_mask: Tensor | None = None) -> dict[str, float]:
-    """The per-window figures (see the key list in docs/guides/trl.md). Shapes as in `Window`;
-    the nodes come from batch.mask, `loss_mask` only limits the drift means.
-
-    ρ, residual and mass come from the `residual` instrument (`gradlab.instruments.Residual`,
-    the one gradlab's loop runs). Every ρ is NaN where it is undefined: nodes_prefix = 0 (no
-    full-group token) or mass_prefix = 0 (W ≡ 0 there; zero_std_share = 1: every group tied);
-    nodes_trie and mass_trie say the same of rho_trie. Counts and sums are numbers."""
-    view = WindowView(batch, W)
-    sn_all = view.nodes()["trie"]
-    sn = view.nodes()["prefix"]
-    m = measure_window([Residual()], view)
-    res_step, rho_step = stepwise_residual(W, sn, opt)
-    out = {"rho_prefix": m["rho_prefix"], "rho_prefix_step": rho_step,
-           "residual_prefix": m["residual_prefix"], "residual_prefix_step": res_step,
-           "mass_prefix": m["mass_prefix"], "shared_fraction": m["shared_frac_prefix"],
-           "nodes_prefix": float(sn.n),
-           "split_groups": split_share(batch.group, opt),
-           "split_groups_micro": split_share(batch.group, micro),
-           "groups": float(torch.unique(batch.group).numel()),
-           "zero_std_share": tied_share(batch)}
-    if trie:
-        out.update(rho_trie=m["rho_trie"], mass_trie=m["mass_trie"], nodes_trie=float(sn_all.n))
-    if W_base is not None:
-        base = WindowView(batch, W_base, view.nodes())
-        out["rho_prefix_base"] = measure_window([Residual()], base)["rho_prefix"]
-        out["rho_prefix_step_base"] = stepwise_residual(W_base, sn, opt)[1]
-    if not torch.equal(batch.logps, batch.old_logps):  # off-policy rows exist
-        out.update(drift_figures(batch, sn, loss_mask))
-    return out

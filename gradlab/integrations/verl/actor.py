@@ -6,7 +6,7 @@ config, model_output, data)`, which calls the registered policy loss with log-pr
 and group ids — `uid` when the micro-batch carries it, else rows with identical `prompts` (a
 prompt drawn twice in one mini-batch then counts as one group: *our* fallback) — enters
 `gradlab.integrations.verl.micro_batch(...)` and calls verl's `ppo_loss` unchanged. The
-mini-batch is closed (its `gradlab/mini/*` figures reported) when this process has seen
+mini-batch is closed (its instruments' `gradlab/*` figures reported) when this process has seen
 `global_batch_size / dp_size` rows, verl's own mini-batch size.
 
 `install()` points verl's actor at it (`verl.workers.utils.losses.ppo_loss` and, when already

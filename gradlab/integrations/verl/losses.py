@@ -1,11 +1,12 @@
-"""gradlab inside verl's actor update: W and ρ of verl's *own* policy losses, and DFPO.
+"""gradlab inside verl's actor update: verl's actor as a host of gradlab's instruments, on
+verl's *own* policy losses, and DFPO.
 
 Importing this module registers, in verl's policy-loss registry (verl ≥ 0.9,
 `verl.trainer.ppo.core_algos`), for every loss registered at that moment (`register(base)` adds
 one registered later):
 
     gradlab_measure:<base>                 verl's <base> unchanged (same value, same gradient),
-                                           plus `gradlab/*` figures in its metrics dict
+                                           plus `gradlab/<metric>` in its metrics dict
     gradlab_dfpo  gradlab_dfpo:<base>  gradlab_dfpo:<base>:<transform>
                                            DFPO on verl's <base> (default vanilla, "orth")
 
@@ -22,8 +23,7 @@ ids; shared-token nodes need both. The caller supplies them for each loss call w
     with micro_batch(responses=data["responses"], uid=data["uid"], last=is_last_micro_batch):
         loss, metrics = policy_loss_fn(...)
 
-(uid: verl's per-prompt id, any hashable per row; `last` closes the mini-batch, whose figures are
-then added under `gradlab/mini/*`). Importing this module does that for verl's actor: it routes
+(uid: verl's per-prompt id, any hashable per row; `last` closes the mini-batch). Importing this module does that for verl's actor: it routes
 verl's `ppo_loss` through `actor.gradlab_ppo_loss`, which reads them from the micro-batch.
 Called some other way, without it, the gradlab losses raise a one-line error.
 
@@ -37,6 +37,13 @@ drop-in's rule (`gradlab.probes.DFPOGradientTransform` without weight); it assum
 no KL or entropy term inside the policy loss (verl adds those outside it). The returned loss is
 L + Σ sg(W − W̃)·l − sg(Σ (W − W̃)·l): verl's value, gradient −W̃ at log_prob. Each group must be
 whole in the loss call (`config.rollout_n` rows): else a ValueError names the group.
+
+What is measured: verl gives W, the batch and the loss's closed form (`HOSTS["verl"]`), not the
+model nor the gradient. Each loss call adds its W (W̃ under DFPO: what the backward uses), its
+TokenBatch and its closed form (`parts.closed_form`; None where gradlab has none) to the open
+mini-batch (one optimizer step); its last call runs the chosen instruments (`use_instruments`,
+default the `cheap` preset: modulation, residual) once on one `HostView` of the whole
+mini-batch and adds their metrics, under the loop's names, as `gradlab/<metric>`.
 """
 
 from __future__ import annotations
@@ -56,9 +63,8 @@ from verl.trainer.ppo import core_algos
 from ...core.batch import TokenBatch, group_index, split_share
 from ...core.dfpo import SCOPES, TRANSFORMS
 from ...core.nodes import NODE_KINDS
-from ...instruments import InstrumentSet, Residual, resolve
-from ...instruments.window import OFFERED as WINDOW_GIVES
-from ...instruments.window import WindowView, measure_window
+from ...instruments import InstrumentSet, reduce_readings, resolve
+from ...instruments.host import HOSTS, MISSING, HostView
 
 MEASURE, DFPO = "gradlab_measure", "gradlab_dfpo"
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -80,20 +86,34 @@ class DFPOSettings:
 
 
 SETTINGS = DFPOSettings()
+GIVES = HOSTS["verl"]  # W, the batch and the loss's closed form: no model, no gradient
+DEFAULT = "cheap"  # modulation (w_dev, w_max) and residual (ρ) on every mini-batch
 INSTRUMENTS = InstrumentSet()
 
 
-def use_instruments(spec: str) -> InstrumentSet:
-    """Run these instruments (`gradlab.instruments.resolve` spec) on every mini-batch's W and
-    batch, reported as `gradlab/mini/<metric>`; the workers read GRADLAB_INSTRUMENTS on import."""
+def use_instruments(spec: str | list | None = None) -> InstrumentSet:
+    """Run these instruments (a `gradlab.instruments.resolve` spec or list; None or "": the
+    `cheap` preset, "off": none) on every mini-batch's `HostView`, reported as `gradlab/<metric>` under
+    the loop's names; `@k` counts mini-batches. An instrument that needs what verl's actor does
+    not give (`HOSTS["verl"]`: the model, the gradient, entropy) is refused here, in one line.
+    The workers read GRADLAB_INSTRUMENTS on import."""
     global INSTRUMENTS
-    chosen = InstrumentSet(resolve(spec) if spec else [])
-    chosen.check(set(WINDOW_GIVES), "verl's mini-batch (W and the batch)")
+    chosen = InstrumentSet(resolve(spec or DEFAULT))
+    for inst in chosen:
+        missing = sorted(set(inst.needs) - GIVES)
+        if missing:
+            why = "; ".join(MISSING.get(("verl", n), f"verl gives no {n}") for n in missing)
+            raise ValueError(f"instrument {inst.name!r} needs {', '.join(missing)}, which verl's "
+                             f"actor does not give: {why}")
+        if inst.phase != "step":
+            raise ValueError(f"instrument {inst.name!r} runs around the optimizer step (phase "
+                             f"{inst.phase!r}); verl's policy loss runs before the backward and "
+                             "sees no optimizer step")
     INSTRUMENTS = chosen
     return chosen
 
 
-use_instruments(os.environ.get("GRADLAB_INSTRUMENTS", ""))
+use_instruments(os.environ.get("GRADLAB_INSTRUMENTS"))
 
 
 @dataclass
@@ -151,7 +171,14 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 
 
 # ----------------------------------------------------------------------------- pure helpers
-from .parts import _global_totals, closed_form, dfpo_delta, row_advantages  # noqa: E402,F401
+from .parts import (  # noqa: E402,F401
+    DFPOForm,
+    MiniBatchForm,
+    _global_totals,
+    closed_form,
+    dfpo_delta,
+    row_advantages,
+)
 
 # ----------------------------------------------------------------------------- the loss calls
 
@@ -177,44 +204,16 @@ def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, c
     mask = response_mask.bool()
     return TokenBatch(tokens=mb.responses.to(log_prob.device), mask=mask,
                       logps=log_prob.detach(), old_logps=old_log_prob.detach(),
-                      advantages=row_advantages(advantages, mask, strict, who),
+                      advantages=row_advantages(advantages, mask, strict, who, tokens=True),
                       group=torch.tensor(labels, dtype=torch.long, device=log_prob.device),
                       validate=False, **_global_totals(config))
 
 
-def _measure(W: Tensor, batch: TokenBatch, config, base: str, agg: str,
-             W_base: Tensor | None) -> dict[str, float]:
-    """Micro-batch figures (W̃ and W = W_base under DFPO); a ρ is NaN where undefined
-    (no node of its kind, or W ≡ 0 there: every group tied)."""
-    view = WindowView(batch, W)
-    m = measure_window([Residual()], view)  # the loop's residual instrument, on the loss call
-    out = {"rho_full": m["rho_prefix"], "rho_trie": m["rho_trie"],
-           "shared_fraction": m["shared_frac_prefix"]}
-    G = config.get("rollout_n") if hasattr(config, "get") else None
-    if isinstance(G, int) and G > 0:
-        _, sizes = group_index(batch.group)
-        out["split_micro"] = float((sizes != G).float().mean()) if sizes.numel() else math.nan
-    ref = W if W_base is None else W_base
-    obj = closed_form(base, agg, config, batch.T)
-    if obj is not None:
-        Wc = obj.modulation(batch.replace(logps=batch.logps.to(torch.float64),
-                                          old_logps=batch.old_logps.to(torch.float64),
-                                          advantages=batch.advantages.to(torch.float64)))
-        scale = float(ref.abs().max()) or 1.0  # W ≡ 0: the absolute deviation (0 = agree)
-        out["W_dev"] = float((ref.double() - Wc).abs().max()) / scale  # relative to max |W|
-    if W_base is not None:
-        base = WindowView(batch, W_base, view.nodes())
-        out["rho_full_base"] = measure_window([Residual()], base)["rho_prefix"]
-    return out
-
-
-def _record(batch: TokenBatch, W: Tensor, last: bool) -> dict[str, float]:
-    """Add the loss call to the open mini-batch; on its last call, the mini-batch figures."""
-    mini = _state.mini
-    mini.parts.append({"batch": batch, "W": W.detach()})
-    if not last:
-        return {}
-    _state.mini = None
+def _close(mini: _MiniBatch) -> dict[str, float]:
+    """The closed mini-batch (one optimizer step) as ONE `HostView` of all its loss calls,
+    measured by the instruments due at this thread's mini-batch count; {metric: float}, the
+    instruments' numbers under the loop's names plus the host facts `split_groups_micro` and
+    `micro_batches`."""
     parts = mini.parts
     Tm = max(p["batch"].T for p in parts)
 
@@ -226,17 +225,51 @@ def _record(batch: TokenBatch, W: Tensor, last: bool) -> dict[str, float]:
     micro = torch.cat([torch.full((p["batch"].B,), k, dtype=torch.long)
                        for k, p in enumerate(parts)]).to(W.device)
     group = torch.cat([p["batch"].group for p in parts])
-    mb = TokenBatch(tokens=cat(lambda p: p["batch"].tokens), mask=cat(lambda p: p["batch"].mask, False),
-                    logps=torch.zeros_like(W), old_logps=torch.zeros_like(W),
-                    advantages=torch.cat([p["batch"].advantages.double() for p in parts]),
-                    group=group, validate=False)
-    view = WindowView(mb, W)
-    m = measure_window([Residual()], view)
-    out = {"mini/rho_full": m["rho_prefix"], "mini/rho_trie": m["rho_trie"],
-           "mini/split": split_share(group, micro), "mini/micro_batches": float(len(parts))}
+    batch = TokenBatch(tokens=cat(lambda p: p["batch"].tokens),
+                       mask=cat(lambda p: p["batch"].mask, False),
+                       logps=cat(lambda p: p["batch"].logps.double()),
+                       old_logps=cat(lambda p: p["batch"].old_logps.double()),
+                       advantages=cat(lambda p: p["batch"].adv_tokens.double())
+                       if any(p["batch"].advantages.dim() == 2 for p in parts)
+                       else torch.cat([p["batch"].advantages.double() for p in parts]),
+                       group=group, validate=False)
+    forms = [p["form"] for p in parts]
+    objective = None if any(f is None for f in forms) else MiniBatchForm(
+        [(f, p["batch"]) for f, p in zip(forms, parts)], getattr(forms[0], "name", "verl"))
+    view = HostView(batch=batch, W=W, objective=objective, trained_batch=batch)
     step = _state.minis = getattr(_state, "minis", -1) + 1  # this thread's mini-batch count
-    due = INSTRUMENTS.due(step)  # a user's instruments (`use_instruments`), once per mini-batch
-    return {**out, **{f"mini/{k}": v for k, v in measure_window(due, view).items()}} if due else out
+    due = [i for i in INSTRUMENTS.due(step, "step") if objective is not None
+           or "objective" not in i.needs]  # no closed form: no w_dev (attribution is refused)
+    out = reduce_readings([i.measure(view) for i in due], [q for i in due for q in i.quantities()],
+                          {"n_tokens": float(batch.mask.sum())})
+    out.update(split_groups_micro=split_share(group, micro), micro_batches=float(len(parts)))
+    return out
+
+
+def _closed_form(name: str, base: str, agg: str, config, T: int, transform: str | None = None):
+    """gradlab's closed form of this loss call (`parts.closed_form`, under DFPO with W̃'s rule on
+    top), or None where gradlab has none; a requested `attribution` is refused then, before
+    verl's loss runs."""
+    form = closed_form(base, agg, config, T)
+    if form is None:
+        if INSTRUMENTS.get("attribution") is not None:
+            raise ValueError(f"instrument 'attribution' needs gradlab's closed form of verl's loss "
+                             f"mode {name!r} with loss_agg_mode={agg!r}, which gradlab has not "
+                             "(it has: vanilla with token-mean, seq-mean-token-mean or "
+                             "seq-mean-token-sum-norm; gspo with seq-mean-token-mean)")
+        return None
+    return form if transform is None else DFPOForm(form, transform, SETTINGS.nodes, SETTINGS.scope)
+
+
+def _gather(batch: TokenBatch, W: Tensor, form, last: bool) -> dict[str, float]:
+    """Add the loss call's batch, W and closed form to the open mini-batch; on its last call,
+    close it: the instruments' `gradlab/<metric>` figures (nothing on the other calls)."""
+    mini = _state.mini
+    mini.parts.append({"batch": batch, "W": W.detach(), "form": form})
+    if not last:
+        return {}
+    _state.mini = None
+    return _report(_close(mini))
 
 
 def _modulation(loss: Tensor, log_prob: Tensor) -> Tensor:
@@ -247,10 +280,10 @@ def _modulation(loss: Tensor, log_prob: Tensor) -> Tensor:
     return torch.zeros_like(log_prob) if g is None else -g.detach()
 
 
-def _reported(ours: dict[str, float]) -> dict[str, float]:
-    """The `gradlab/*` figures for verl without the undefined (NaN) ones: verl averages a key
-    over the calls that report it, so an undefined ρ is left out, never a 0 or a NaN mean."""
-    return {f"gradlab/{k}": v for k, v in ours.items() if not math.isnan(v)}
+def _report(mini_done: dict[str, float]) -> dict[str, float]:
+    """`gradlab/<metric>` for verl's metrics dict, without the undefined (NaN) ones: verl
+    averages a key over the calls that report it, so an undefined ρ is left out, never a 0."""
+    return {f"gradlab/{k}": v for k, v in mini_done.items() if not math.isnan(v)}
 
 
 def _measure_fn(base: str):
@@ -259,6 +292,7 @@ def _measure_fn(base: str):
     def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                 config=None, rollout_is_weights=None):
         mb = _current(name, log_prob)
+        form = _closed_form(name, base, loss_agg_mode, config, log_prob.shape[1])
         loss, metrics = core_algos.get_policy_loss_fn(base)(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
             response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
@@ -266,9 +300,7 @@ def _measure_fn(base: str):
         W = _modulation(loss, log_prob)
         _state.last = (W.double(), None)
         batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config, False, name)
-        ours = _measure(W, batch, config, base, loss_agg_mode, None)
-        ours.update(_record(batch, W, mb.last))
-        return loss, {**metrics, **_reported(ours)}
+        return loss, {**metrics, **_gather(batch, W, form, mb.last)}
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"gradlab_measure_{base}"
     return loss_fn
@@ -294,6 +326,7 @@ def _dfpo_fn(base: str, transform: str):
     def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                 config=None, rollout_is_weights=None):
         mb = _current(name, log_prob)
+        form = _closed_form(name, base, loss_agg_mode, config, log_prob.shape[1], transform)
         batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config, True, name)
         _check_whole(batch, mb.uid, config, name)
         loss, metrics = core_algos.get_policy_loss_fn(base)(
@@ -306,9 +339,7 @@ def _dfpo_fn(base: str, transform: str):
         _state.last = (W_t, W.double())
         extra = -(delta.to(log_prob.dtype) * log_prob).sum()  # gradient +delta·(−1) at log_prob
         out = loss + extra - extra.detach()
-        ours = _measure(W_t, batch, config, base, loss_agg_mode, W.double())
-        ours.update(_record(batch, W_t, mb.last))
-        return out, {**metrics, **_reported(ours)}
+        return out, {**metrics, **_gather(batch, W_t, form, mb.last)}  # W̃: what the backward uses
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"gradlab_dfpo_{base}_{transform}"
     return loss_fn

@@ -7,7 +7,7 @@
 |      | folder, corrupt run file, run folder in use)           |                                      |
 | 3    | a non-finite loss, gradient or parameter (loop/guard)  | last checkpoint = last good state    |
 | 4    | a run file could not be written (full disk, file-size  | the previous checkpoint, intact;     |
-|      | limit, read-only or missing folder; loop/atomic)       | `--resume` continues from it         |
+|      | limit, read-only or missing folder; gradlab/atomic)    | `--resume` continues from it         |
 | 130  | stopped by SIGINT (Ctrl-C) after checkpointing         | a checkpoint at the stopping step    |
 | 143  | stopped by SIGTERM or SIGUSR1 (a scheduler's           | a checkpoint at the stopping step    |
 |      | pre-emption warning) after checkpointing (loop/preempt)|                                      |
@@ -17,7 +17,7 @@ checkpoint and the exact command that resumes). 130 and 143 are the shell's 128 
 number, so schedulers and `torchrun` read them as "terminated by a signal".
 """
 
-from .atomic import EXIT_WRITE
+from ...atomic import EXIT_WRITE
 from .guard import EXIT_NONFINITE
 
 EXIT_OK = 0

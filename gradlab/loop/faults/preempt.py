@@ -12,7 +12,7 @@ exactly as if the run had not stopped (same metrics at a fixed thread count).
   same way: the run stops after its first step.
 - A second signal while the run finishes its step or saves is recorded and reported, never
   acted on: the save completes (SIGKILL still stops at once; the previous checkpoint survives,
-  loop/faults/atomic.py).
+  gradlab/atomic.py).
 - Under torchrun every rank joins one all-reduce (max) of its stop flag per rollout step, so
   all ranks stop after the same step, whichever of them got the signal, and none hangs.
 - Handlers are installed only from the main thread and put back when `train` returns; the

@@ -24,10 +24,11 @@ from the same chunk and the same exp pass as the logsumexp (one extra dot produc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 LOGIT_BUDGET = 1 << 24  # float32 logits per chunk (64 MiB): chunk = LOGIT_BUDGET // V tokens
 
@@ -334,3 +335,29 @@ def _from_logits(logits, response_ids, response_mask, temperature, return_entrop
     if return_logprobs:
         result.append(logprobs)
     return tuple(result)
+
+
+def context_logprobs_fn(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                        response_ids: torch.Tensor, response_mask: torch.Tensor, rows: torch.Tensor,
+                        pos: torch.Tensor, temperature: float = 1.0
+                        ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """f(params) → (K, V) log π(·|h_k) at the K contexts (rows[k], pos[k]) of a rollout layout,
+    params a dict of the model's parameters (`torch.func.functional_call`): the f that
+    `gradlab.probes.fisher.kl_and_fisher` differentiates.
+
+    prompt_ids/prompt_mask (N, P) left-padded, response_ids/response_mask (N, T') right-padded
+    (the layout of `token_logps`); the context of (r, t) is the prompt of row r and its response
+    tokens before t, i.e. the distribution of response token t. The logits stay in the model's
+    dtype (use a float64 copy of the model for a precise KL: `gradlab.probes.fisher.float64_meter`).
+    """
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    T = response_ids.shape[1]
+    kw = dict(input_ids=ids, attention_mask=mask.long(), position_ids=positions(mask),
+              use_cache=False, logits_to_keep=T + 1)
+
+    def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = functional_call(model, params, (), kw).logits[:, :-1]  # (N, T', V)
+        return F.log_softmax(logits[rows, pos] / temperature, dim=-1)
+
+    return f

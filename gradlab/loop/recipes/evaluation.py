@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 # torch, numpy and the samplers load on first use: `targets` (what `gradlab eval PATH` scores)
 # answers a wrong path or option before any of them (PEP 562 below)
-_HELDOUT = ("_draw", "eval_problems", "expected_accuracy", "heldout_prompts", "is_heldout")
+_HELDOUT = ("eval_problems", "expected_accuracy", "heldout_prompts", "is_heldout")
 _DRAW_SALT = 1_000_033  # eval seed s > 0 → held-out problem stream s · salt
 _NOISE_SALT = 55_555_333  # eval seed → hashed sampling noise
 
@@ -67,7 +67,7 @@ def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     """N distinct held-out problems: seed 0 the loop's evaluation set, seed s > 0 another draw
     (fewer than N when a finite task's held-out split is smaller); n = "all": the whole
     held-out split (`heldout_split`, the same for every seed)."""
-    from ..setup.heldout import _draw, eval_problems, heldout_prompts
+    from ..setup.heldout import draw_problems, eval_problems, heldout_prompts
 
     if n == "all":
         return heldout_split(task)
@@ -78,7 +78,7 @@ def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     held = heldout_prompts(task)
     if held is not None:
         n = min(n, len(held))
-    return _draw(task, n, seed * _DRAW_SALT, held, want_heldout=True, distinct=True)
+    return draw_problems(task, n, seed * _DRAW_SALT, held, want_heldout=True, distinct=True)
 
 
 def sampled_accuracy(model, tok, task, problems: list, samples: int, temperature: float,

@@ -30,10 +30,10 @@ import torch
 
 from ...core.batch import advantages
 from ...core.nodes import shared_nodes
-from ...probes.fisher import adam_step_parts, context_logprobs_fn, float64_meter, kl_and_fisher
+from ...probes.fisher import adam_step_parts, float64_meter, kl_and_fisher
 from ...probes.tax import learning_tax
 from ..config import RunConfig
-from ..numerics.logprobs import token_logps
+from ..numerics.logprobs import context_logprobs_fn, token_logps
 from ..numerics.precision import amp_context
 from ..scale.dist import Dist, unwrap
 from ..setup.policy import load_policy

@@ -12,8 +12,8 @@ import pandas as pd
 
 from ... import jsonio
 from ... import viz as plots
+from ...atomic import write_file, writing
 from ..config import ConfigError, RunConfig
-from ..faults.atomic import write_file, writing
 from ..runs.lock import acquire
 from ..runs.resume import reproduce_action
 from ..runs.store import load_run
@@ -74,7 +74,7 @@ def reproduce(cfg: RunConfig, resume: bool = False) -> str:
 
 def _write(cfg: RunConfig, tidy: pd.DataFrame, path: Path, t_train: float, action: str) -> str:
     png = path / "figures" / "training_curves.png"
-    with writing(png):  # a full disk: exit code 4 naming the file (loop/faults/atomic.py)
+    with writing(png):  # a full disk: exit code 4 naming the file (gradlab/atomic.py)
         plots.save(plots.training_curves(tidy, smooth=3), png)
     table = summarize(tidy)
     took = (f"training took {t_train:.0f} s" if action == "train" else

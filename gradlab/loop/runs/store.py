@@ -5,6 +5,8 @@
       metrics.jsonl          one JSON line per (step, objective): appended, flushed and fsynced
                              as each step ends, so a crash loses at most the step in flight
       samples.jsonl          a few decoded responses per step
+      instruments.json       what was measured: each metric's unit and undefined reason, the
+                             curves `gradlab view` draws (gradlab.instruments.manifest)
       checkpoints/<objective>/model.safetensors, optimizer.safetensors, state.json
       figures/, summary.md   written by `gradlab reproduce`
 
@@ -17,7 +19,7 @@ whose denominator is 0) is `null` in its record, with its reason under the recor
 crash mid-write) is skipped and logged; a corrupt line anywhere else is an error naming the
 file and line (never a silent deletion).
 
-Durability (loop/faults/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
+Durability (gradlab/atomic.py): config.json and rewrites of the JSONL files go to a temporary name,
 are fsynced and renamed; metrics lines are appended whole (a failed append is cut back); a
 checkpoint is written whole under checkpoints/<objective>.tmp and swapped in, the previous one
 deleted only after that. A write that fails raises `WriteError` (exit code 4) naming the path.
@@ -40,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ... import jsonio
-from ..faults.atomic import append_line, fsync_dir, fsync_file, remove, write_file, writing
+from ...atomic import append_line, fsync_dir, fsync_file, remove, write_file, writing
 from .lock import acquire
 from .resume import CorruptFileError, check_resume_config, read_config
 
@@ -99,7 +101,7 @@ class RunStore:
         written `null` with its reason (`_reasons`) under the record's "undefined" key."""
         if not self.write:
             return
-        append_line(self.path / file, _line(record))
+        append_line(self.path / file, _line(record, _manifest(self.path)))
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps > step (written after the last checkpoint)."""
@@ -110,7 +112,8 @@ class RunStore:
             if not p.exists():
                 continue
             keep = [r for r in _read_jsonl(p) if r.get("step", -1) <= step]
-            _atomic_write(p, "".join(_line(r) + "\n" for r in keep))
+            man = _manifest(self.path)
+            _atomic_write(p, "".join(_line(r, man) + "\n" for r in keep))
 
     def drop_keys_at(self, step: int, keys: tuple[str, ...]) -> None:
         """Remove `keys` from the metrics records of `step` (an end-of-run evaluation that a
@@ -130,7 +133,8 @@ class RunStore:
                 r[REASON] = why
                 if not why:
                     del r[REASON]
-        _atomic_write(p, "".join(_line(r) + "\n" for r in rows))
+        man = _manifest(self.path)
+        _atomic_write(p, "".join(_line(r, man) + "\n" for r in rows))
 
     # --- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, name: str, model, optimizer, state: dict, tensors: dict) -> None:
@@ -274,7 +278,7 @@ def _unflatten_optimizer(flat: dict, meta: dict) -> dict:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    write_file(path, text)  # temp name, fsync, rename (loop/faults/atomic.py)
+    write_file(path, text)  # temp name, fsync, rename (gradlab/atomic.py)
 
 
 def _jsonable(rec: dict) -> dict:
@@ -290,47 +294,44 @@ def _jsonable(rec: dict) -> dict:
 
 
 @cache
-def _declared() -> dict[str, str]:
-    """metric → why it is undefined, from the loop's and the built-in instruments' ratio rules
-    (`gradlab.instruments.Ratio.undefined`)."""
-    from collections import defaultdict
+def _declared():
+    """The reasons of gradlab's loop and the built-in instruments' rules (a `Manifest`), for a
+    record of a folder without its own `instruments.json`."""
+    from ...instruments.manifest import builtin_manifest
 
-    from ...instruments import Ratio, resolve
-    from ...instruments.own import OWN_QUANTITIES
-
-    out = {}
-    for q in OWN_QUANTITIES + [q for i in resolve("full,same_batch") for q in i.quantities()]:
-        if isinstance(q, Ratio):
-            out[q.name] = q.undefined
-            continue
-        try:  # a Derived rule: the metrics it makes of empty sums (all NaN) are its names
-            made = q.fn(defaultdict(float))
-        except Exception:  # a rule that cannot run on empty sums names nothing (the metric
-            made = {}      # keeps jsonio's reason); writing the record must not fail on it
-        out.update({k: q.undefined for k in made})
-    return out
+    return builtin_manifest()
 
 
-def _reasons(rec: dict) -> dict[str, str]:
+def _manifest(folder: Path):
+    """The folder's `instruments.json` read (a `Manifest`), else the built-in one."""
+    from ...instruments.manifest import Manifest
+
+    return Manifest.of(folder) or _declared()
+
+
+def _reasons(rec: dict, manifest=None) -> dict[str, str]:
     """Why each non-finite float of one record is undefined: the cause read from the record's
     sums and counts (`gradlab.viz.undefined.step_reason`: no node, every group tied, ...), else
-    the ratio rule's reason; a value neither explains keeps jsonio's ("not a number")."""
+    the reason the run's manifest (`instruments.json`) gives, else the built-in rules';
+    a value neither explains keeps jsonio's ("not a number")."""
     from ...viz.undefined import NOT_MEASURED, step_reason
 
+    manifest = manifest or _declared()
     out = {}
     for k, v in rec.items():
         if isinstance(v, float) and math.isnan(v):  # ±inf: jsonio's "infinite"
             why = step_reason(rec, k)
-            why = why if why not in (None, NOT_MEASURED) else _declared().get(k)
+            if why in (None, NOT_MEASURED):
+                why = manifest.undefined(k) or _declared().undefined(k)
             if why:
                 out[k] = why
     return out
 
 
-def _line(rec: dict) -> str:
+def _line(rec: dict, manifest=None) -> str:
     """One strict-JSON line of a record (keys sorted; undefined values null with reasons)."""
     rec = _jsonable(rec)
-    return jsonio.dumps(rec, reasons=_reasons(rec), sort_keys=True)
+    return jsonio.dumps(rec, reasons=_reasons(rec, manifest), sort_keys=True)
 
 
 def _cut_torn_tail(path: Path) -> None:
@@ -381,8 +382,9 @@ def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
     Columns: run, objective, seed, step, tokens, metric, value, undefined. `value` is NaN where
     the metric is undefined at that step (a 0 denominator) and `undefined` then holds the
     reason (e.g. "no gradient: every group tied"); `undefined` is None beside a value and where
-    the step did not record the metric. A run written without reasons gets them from its sums
-    (`gradlab.viz.undefined.step_reason`). `wide=True` pivots the values to one row per (run,
+    the step did not record the metric. A null stored without a reason, or with only jsonio's
+    "not a number", gets its cause from the record's sums (`gradlab.viz.undefined.step_reason`)
+    or else the reason the run's `instruments.json` gives its metric. `wide=True` pivots the values to one row per (run,
     objective, seed, step, tokens) with a column per metric (no reasons: see
     `gradlab.viz.undefined`).
     """
@@ -396,7 +398,8 @@ def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
         recs = _read_jsonl(f)
         if not recs:
             continue
-        whys = [_stored_reasons(r) for r in recs]
+        man = _manifest(f.parent)  # the run's reasons (instruments.json)
+        whys = [_stored_reasons(r, man) for r in recs]
         df = pd.DataFrame(recs)
         df["run"] = f.parent.name
         for c in ID_COLUMNS:
@@ -419,12 +422,15 @@ def load_run(path: str | Path, wide: bool = False) -> pd.DataFrame:
     return tidy
 
 
-def _stored_reasons(rec: dict) -> dict[str, str]:
-    """Pop a record's "undefined" entry: metric → reason for its null values (a run written
-    without reasons: derived from the record's sums, `_reasons`)."""
+def _stored_reasons(rec: dict, manifest=None) -> dict[str, str]:
+    """Pop a record's "undefined" entry: metric → reason for its null values. Where the record
+    holds only jsonio's "not a number", or no reason at all (a run written without them), the
+    reason is the record's cause (`_reasons`) or the run's manifest's."""
     why = rec.pop(REASON, None)
-    if isinstance(why, dict):
-        return {k: str(v) for k, v in why.items() if rec.get(k) is None}
     nulls = {k: math.nan for k, v in rec.items() if v is None}
-    derived = _reasons({**rec, **nulls}) if nulls else {}
+    stored = {k: str(v) for k, v in why.items() if rec.get(k) is None} if isinstance(why, dict) else {}
+    generic = [k for k in nulls if stored.get(k, jsonio.NOT_A_NUMBER) == jsonio.NOT_A_NUMBER]
+    derived = _reasons({**rec, **nulls}, manifest) if generic else {}
+    if isinstance(why, dict):
+        return {**stored, **{k: derived[k] for k in generic if k in derived}}
     return {k: derived.get(k, jsonio.NOT_A_NUMBER) for k in nulls}

@@ -40,9 +40,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from ...atomic import fsync_file, remove, writing
 from ...core.batch import TokenBatch
 from ...core.nodes import shared_nodes
-from ..faults.atomic import fsync_file, remove, writing
 
 log = logging.getLogger("gradlab")
 
@@ -161,7 +161,7 @@ class TraceWriter:
         d = self.path / _safe(objective)
         out = d / f"step{step:06d}.parquet"
         tmp = out.with_name(out.name + ".tmp")
-        try:  # temp name, fsync, rename: a reader sees whole files only (loop/faults/atomic.py)
+        try:  # temp name, fsync, rename: a reader sees whole files only (gradlab/atomic.py)
             with writing(out):
                 d.mkdir(parents=True, exist_ok=True)
                 df.reset_index(drop=True).to_parquet(tmp, index=False)

@@ -54,8 +54,10 @@ def is_heldout(prompt: str, held: frozenset[str] | None = None) -> bool:
     return _h(prompt) % EVAL_BUCKETS == 0
 
 
-def _draw(task, n: int, seed: int, held, want_heldout: bool, distinct: bool = False) -> list:
-    """The first `n` problems of the task's stream(s) on the requested side of the split: chunk
+def draw_problems(task, n: int, seed: int, held: frozenset[str] | None, want_heldout: bool,
+                  distinct: bool = False) -> list:
+    """The first `n` problems of the task's stream(s) on the requested side of the split
+    (`want_heldout`; `held` the task's `heldout_prompts`), each prompt once if `distinct`: chunk
     k is task.problems(2n + 8, seed) for k = 0, then derived seeds (deterministic). Fewer than
     `n` when 100 chunks in a row add nothing (a small problem space, e.g. 1-digit sums)."""
     out, seen, idle = [], set(), 0
@@ -87,7 +89,7 @@ class TrainSplit:
 
     def problems(self, n: int, seed: int) -> list:
         """`n` training problems, deterministic in seed; never a held-out one."""
-        return _draw(self.task, n, seed, self.held, want_heldout=False)
+        return draw_problems(self.task, n, seed, self.held, want_heldout=False)
 
 
 def eval_problems(task, size: int) -> list:
@@ -97,7 +99,7 @@ def eval_problems(task, size: int) -> list:
         return []
     if held is not None:
         size = min(size, len(held))
-    return _draw(task, size, _EVAL_SEED, held, want_heldout=True, distinct=True)
+    return draw_problems(task, size, _EVAL_SEED, held, want_heldout=True, distinct=True)
 
 
 @torch.no_grad()

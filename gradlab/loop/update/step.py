@@ -22,6 +22,7 @@ import torch
 
 from ...core.batch import TokenBatch
 from ...instruments import Instrument, InstrumentSet
+from ...instruments.host import HostView
 from ...probes import ModulationProbe
 from ..config import RunConfig
 from ..faults.guard import admit, check_update
@@ -34,7 +35,7 @@ from ..scale.fsdp import FullGrads, gathered, is_sharded
 from .batches import micro_batches
 from .learner import Learner
 from .metrics import StepMetrics
-from .view import StepView, loop_instruments  # noqa: F401  (loop_instruments: the loop's set)
+from .view import loop_instruments, step_view  # noqa: F401  (loop_instruments: the loop's set)
 
 
 @dataclass
@@ -59,7 +60,7 @@ def optimizer_step(learner: Learner, cfg: RunConfig, work: StepWork, acc: StepMe
     """
     acc.declare(instruments.quantities())
     rollout, rows = work.rollout, work.rows
-    view = StepView(learner.model, cfg, rollout, rows, dist, objective=learner.objective)
+    view = step_view(learner.model, cfg, rollout, rows, dist, objective=learner.objective)
     t0 = time.perf_counter()
     loss = _forward_backward(learner, cfg, work, view, instruments, dist)
     guarded = bool(rows.numel()) or dist.fsdp  # FSDP: the ranks agree on a non-finite shard
@@ -102,7 +103,7 @@ def optimizer_step(learner: Learner, cfg: RunConfig, work: StepWork, acc: StepMe
         acc.time("probes", t3)
 
 
-def _forward_backward(learner: Learner, cfg: RunConfig, work: StepWork, view: StepView,
+def _forward_backward(learner: Learner, cfg: RunConfig, work: StepWork, view: HostView,
                       instruments: InstrumentSet, dist: Dist) -> torch.Tensor:
     """Phase 1: every micro-batch's forward/backward, gradients accumulated; fills the view's
     batch, W and entropy. An idle rank runs zero-loss passes only. Returns the step's loss."""

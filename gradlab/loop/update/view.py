@@ -1,128 +1,61 @@
-"""What the loop hands its instruments for one optimizer step (`gradlab.instruments`).
+"""What the loop hands its instruments for one optimizer step (`gradlab.instruments.host`).
 
-A `StepView` gives every need of `gradlab.instruments.NEEDS`: the step's measured W, its batch
-(and the advantages W was built from, `trained`), entropy, the objective, the other objectives of
-same-batch mode, the step's shared-token nodes (computed once, shared by every instrument), and
-the forwards an "update"-phase instrument asks for (`gradlab.loop.update.forwards`). On a rank
-with no rows in the step (`idle`), the same calls return nothing to measure but still join the
-ranks' collectives (the learning tax's sum), so an idle rank runs the same instruments.
+`step_view` fills the one `HostView` every host fills: the step's measured W, its batch, entropy,
+the objective, and the loop's forwards as the `Policy` primitive (its own log-prob forward at the
+run's temperature and precision, in chunks of `micro_batch` rows). On a rank with no rows in the
+step (`idle`), the same calls return nothing to measure but still join the ranks' collectives
+(the learning tax's sum), so an idle rank runs the same instruments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...core.batch import TokenBatch
-from ...core.nodes import shared_nodes
 from ...instruments import InstrumentSet, SameBatch, resolve
+from ...instruments.forwards import Policy
+from ...instruments.host import HOSTS, HostView
 from ...probes.tax import reduce_tax
 from ..config import RunConfig
+from ..numerics.logprobs import context_logprobs, context_logprobs_fn, token_logps
+from ..numerics.precision import amp_context
 from ..rollouts.rollout import Rollout
 from ..scale.dist import Dist, unwrap
-from .forwards import (
-    NodesBefore,
-    fisher_at_nodes,
-    node_logprobs,
-    node_moves,
-    sampled_logps,
-    tax_step,
-)
 
-OFFERED = frozenset({"W", "batch", "objective", "entropy", "model", "grads"})
+OFFERED = HOSTS["loop"]
 
 
-@dataclass
-class StepView:
-    """One optimizer step as the instruments see it. batch (B, T) is None on an idle rank;
-    W (B, T) the measured modulation (None when not measured), entropy (B, T) nats.
-    model: the learner's model (wrapped under DDP/FSDP); grads: what the tax reads the step's
-    gradient from (the model, or FSDP's gathered gradients)."""
+def loop_policy(model: torch.nn.Module, cfg: RunConfig, rollout: Rollout,
+                rows: torch.Tensor) -> Policy:
+    """The loop's forwards over the step's rollout rows `rows` (B,): local row i is rollout row
+    rows[i]; gradlab's own log-prob forward at the run's temperature, under its precision."""
 
-    model: torch.nn.Module
-    cfg: RunConfig
-    rollout: Rollout
-    rows: torch.Tensor  # (B,) rollout rows of the step
-    dist: Dist
-    batch: TokenBatch | None = None
-    W: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    objective: object = None
-    grads: object = None
-    trained_batch: TokenBatch | None = None  # set: skip objective.prepare (tests)
-    _nodes: dict | None = None
-    _before: NodesBefore | None = None
-    _after: torch.Tensor | None = None
-    _theta: dict | None = None
+    def inputs(local: torch.Tensor, t_max: int | None):
+        r = rows[local]
+        cut = slice(None) if t_max is None else slice(None, t_max)
+        return (rollout.prompt_ids[r], rollout.prompt_mask[r], rollout.response_ids[r, cut],
+                rollout.response_mask[r, cut])
 
-    @property
-    def idle(self) -> bool:
-        return self.batch is None
-
-    @property
-    def trained(self) -> TokenBatch | None:
-        """The batch with the advantages W is built from (`objective.prepare`: per token for
-        IBPO), computed once per step."""
-        if self.trained_batch is None and self.batch is not None:
-            self.trained_batch = self.objective.prepare(self.batch)
-        return self.trained_batch
-
-    def nodes(self) -> dict:
-        """{"prefix": full-group nodes, "trie": every trie node} of the step's rows ({} idle)."""
-        if self._nodes is None:
-            trie = shared_nodes(self.batch, "trie") if self.batch is not None else None
-            self._nodes = {} if trie is None else {"prefix": trie.full_group(), "trie": trie}
-        return self._nodes
-
-    # ---------------------------------------------------------------- forwards ("model")
-    def learning_tax(self) -> dict:
-        """This step's g_tax report (`gradlab.probes.tax.tax_report`), summed over ranks."""
-        raw = unwrap(self.model)
-        if self.idle:  # joins the ranks' g_tax sum with zeros: full shapes, float32 like
-            dev = self.rollout.group.device  # `tax_step`'s (FSDP --amp gathers bf16 weights)
-            tax = {"g_tax": {n: torch.zeros(p.shape, dtype=torch.float32, device=dev)
-                             for n, p in raw.named_parameters()}}
-        else:
-            tax = tax_step(raw, self.cfg, self.rollout, self.rows, self.trained, self.W,
-                           self.nodes()["prefix"])
-        return reduce_tax(tax, self.grads, self.dist) if self.dist.enabled else tax
-
-    def keep_node_logprobs(self) -> None:
-        """Before the optimizer step: π_before at the full-group nodes (none: nothing kept)."""
-        sn = self.nodes().get("prefix")
-        if sn is not None and sn.n:
-            self._before = node_logprobs(unwrap(self.model), self.cfg, self.rollout, self.rows, sn)
-
-    def node_drift(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """After the step: ((N,) Δ log π, (K,) KL) at the nodes kept before, or None."""
-        if self._before is None:
-            return None
-        return node_moves(unwrap(self.model), self.cfg, self.rollout, self.rows,
-                          self.nodes()["prefix"], self._before)
-
-    def keep_params(self) -> None:
-        """Before the optimizer step: a copy of θ (one model's parameters), for the Fisher."""
-        if not self.idle:
-            self._theta = {n: p.detach().clone() for n, p in unwrap(self.model).named_parameters()}
-
-    def fisher(self, cap: int) -> dict[str, torch.Tensor] | None:
-        """After the step: (K,) KL and ½ δᵀFδ at ≤ cap full-group nodes (float64), or None."""
-        sn = self.nodes().get("prefix")
-        if self._theta is None or sn is None or sn.n == 0:
-            return None
-        return fisher_at_nodes(unwrap(self.model), self.cfg, self.rollout, self.rows, sn,
-                               self._theta, cap)
-
-    def sampled_after(self) -> torch.Tensor | None:
-        """After the step: (B, T) log π of the step's sampled tokens (one forward, shared by
-        every instrument that asks), or None on an idle rank."""
-        if self._after is None and not self.idle:
-            self._after = sampled_logps(unwrap(self.model), self.cfg, self.rollout, self.rows,
-                                        self.trained.logps)
-        return self._after
+    return Policy(model=unwrap(model), inputs=inputs, token_logps=token_logps,
+                  context_logprobs=context_logprobs,
+                  context_logprobs_fn=context_logprobs_fn, temperature=cfg.temperature,
+                  chunk=cfg.micro_batch, autocast=lambda: amp_context(cfg))
 
 
+def step_view(model: torch.nn.Module, cfg: RunConfig, rollout: Rollout, rows: torch.Tensor,
+              dist: Dist, *, batch: TokenBatch | None = None, W: torch.Tensor | None = None,
+              entropy: torch.Tensor | None = None, objective: object = None,
+              trained_batch: TokenBatch | None = None) -> HostView:
+    """The loop's view of one optimizer step over rollout rows `rows` (B,); batch, W and
+    entropy (B, T) are filled in by the step's forward/backward. model: the learner's model
+    (wrapped under DDP/FSDP); the g_tax of every rank is summed when `dist` is enabled."""
+
+    def summed(tax: dict, grads) -> dict:
+        return reduce_tax(tax, grads, dist)
+
+    return HostView(batch=batch, W=W, entropy=entropy, objective=objective,
+                    policy=loop_policy(model, cfg, rollout, rows), trained_batch=trained_batch,
+                    reduce_tax=summed if dist.enabled else None)
 
 
 def loop_instruments(cfg: RunConfig, others: list | tuple = ()) -> InstrumentSet:

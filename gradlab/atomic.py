@@ -8,6 +8,8 @@
   `WriteError("cannot write PATH: <OS error>")`; safetensors' and Arrow's wrapped I/O errors too.
 
 `gradlab` exits with code 4 (`EXIT_WRITE`) on a `WriteError` (gradlab/loop/faults/exitcodes.py).
+Imports nothing from gradlab: the run store, the instruments' manifest, provenance, the viewer
+and the CLI all write through it.
 """
 
 from __future__ import annotations
