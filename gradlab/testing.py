@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from .check.scenarios import (  # noqa: F401  (re-exported: gradlab.testing.random_batch, ...)
+from .check.scenarios import (
     REGIMES,
     TRAINING_DEFAULTS,
     loop_step_on,
@@ -29,6 +29,14 @@ from .check.scenarios import (  # noqa: F401  (re-exported: gradlab.testing.rand
 )
 from .core.batch import TokenBatch
 from .core.cancellation import Cancellation, cancellation
+
+# the assertions, and the batches, regimes and optimizer steps they are built on
+# (gradlab/check/scenarios.py), for your tests
+__all__ = [
+    "REGIMES", "TRAINING_DEFAULTS", "assert_cancels", "assert_cancels_in_regimes",
+    "assert_does_not_cancel", "assert_matches_baseline", "loop_step_on", "measure_modulation",
+    "measure_on_model", "optimizer_step_on", "random_batch", "regime_report", "training_defaults",
+]
 
 
 def _reports(loss_fn, seeds, nodes, **batch_kw) -> list[tuple[int, Cancellation]]:

@@ -72,7 +72,7 @@ def main(out: Path, rounds: int) -> None:
     for i in range(rounds):
         obj = ("grpo" if i < rounds - 2 else f"{here}:boom" if i == rounds - 2 else f"{here}:term")
         cfg = RunConfig(out=str(out / f"round{i}"), objectives=[obj], steps=1, prompts=2, G=2,
-                        minibatches=1, max_new_tokens=4, probes=False, drift=False, tax_every=0,
+                        minibatches=1, max_new_tokens=4, instruments="off", tax_every=0,
                         eval_every=0, trace_every=0, progress=False, ckpt_every=1, fsdp=i % 2 == 1)
         try:
             train(cfg)

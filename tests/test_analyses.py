@@ -16,6 +16,7 @@ from analyses.figures import ablations, figure2, figure3, noise_floor, prop31, s
 from analyses.tools import common  # noqa: E402
 from gradlab.provenance import code_hash  # noqa: E402
 from gradlab.stats import paired_interval  # noqa: E402
+from gradlab.viz.seeds import align_tokens  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -254,7 +255,7 @@ def test_align_tokens_interpolates_onto_a_common_grid():
         for step, t in enumerate(toks):
             rows.append({"run": f"seed{seed}", "objective": "gspo", "seed": seed, "step": step,
                          "tokens": t, "metric": "reward", "value": t / 100})
-    out = common.align_tokens(pd.DataFrame(rows), n=5)
+    out = align_tokens(pd.DataFrame(rows), n=5)
     grid = sorted(out["tokens"].unique())
     assert grid[0] == 12 and grid[-1] == 30 and len(grid) == 5
     assert np.allclose(out["value"], out["tokens"] / 100)  # linear data stays linear

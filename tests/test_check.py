@@ -10,7 +10,7 @@ import torch
 from gradlab import objectives, testing
 from gradlab.check import baseline as cb
 from gradlab.check import run as check
-from gradlab.core.objectives import GRPO, GSPO, GRPOFix
+from gradlab.core.losses import GRPO, GSPO, GRPOFix
 from gradlab.loop import config
 from gradlab.loop.config import RunConfig
 from gradlab.testing import (

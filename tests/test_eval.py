@@ -23,7 +23,7 @@ from gradlab.loop.setup.task import ArithmeticTask, JsonlTask, ScaffoldTask
 from gradlab.loop.train import train
 
 SMALL = dict(steps=2, prompts=4, G=4, minibatches=2, ckpt_every=1, tax_every=0, progress=False,
-             probe_contexts=4, drift=False, eval_size=16)
+             probe_contexts=4, instruments="cheap", eval_size=16)
 
 
 def _bucket0(prompt: str) -> bool:  # independent re-statement of the hash rule

@@ -76,7 +76,7 @@ def test_whole_heldout_split_and_draws():
 def test_evaluate_run_checkpoint_and_model_folders(tmp_path, policy):
     model, tok, _ = policy
     cfg = RunConfig(out=str(tmp_path / "run"), objectives=["grpo", "gspo"], steps=1, prompts=2,
-                    G=4, minibatches=1, tax_every=0, drift=False, probe_contexts=2,
+                    G=4, minibatches=1, tax_every=0, instruments="cheap", probe_contexts=2,
                     eval_every=1, eval_size=8, progress=False, threads=1)
     train(cfg)
     df = evaluate_path(tmp_path / "run", problems=8, samples=2, seed=0)

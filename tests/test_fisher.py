@@ -137,7 +137,7 @@ def test_real_tandem_step(tmp_path):
     runs = {}
     for lr in (2e-4, 2e-5):
         cfg = RunConfig(out=str(tmp_path / str(lr)), objectives=["gspo"], steps=1, prompts=2,
-                        G=4, minibatches=2, probes=False, progress=False, lr=lr)
+                        G=4, minibatches=2, instruments="off", progress=False, lr=lr)
         runs[lr] = prop31_tandem(cfg)
     big, small = runs[2e-4], runs[2e-5]
     assert big and len(big) == len(small) and {r["opt_step"] for r in big} <= {0, 1}

@@ -175,8 +175,9 @@ def test_loop_option_off_changes_nothing_and_on_adds_the_ledger(tmp_path):
     from gradlab.loop.train import train
 
     train(RunConfig(out=str(tmp_path / "off"), **SMALL))
-    train(RunConfig(out=str(tmp_path / "on"), flips=True, **SMALL))
-    train(RunConfig(out=str(tmp_path / "nodrift"), flips=True, drift=False, **SMALL))
+    train(RunConfig(out=str(tmp_path / "on"), instruments="full", **SMALL))
+    train(RunConfig(out=str(tmp_path / "nodrift"), instruments="cheap,attribution,tax,flips",
+                    **SMALL))
     off, on, nodrift = _rows(tmp_path / "off"), _rows(tmp_path / "on"), _rows(tmp_path / "nodrift")
     for a, b in zip(off, on):
         why_a, why_b = a.pop("undefined", {}), b.pop("undefined", {})  # reasons of the nulls
@@ -192,13 +193,6 @@ def test_loop_option_off_changes_nothing_and_on_adds_the_ledger(tmp_path):
     for b, c in zip(on, nodrift):  # the ledger's own forward equals the drift's "after"
         assert {k: v for k, v in b.items() if k.startswith(F.PREFIX)} == \
             {k: v for k, v in c.items() if k.startswith(F.PREFIX)}
-
-
-def test_flips_needs_heavy_steps():
-    from gradlab.loop.config import ConfigError, RunConfig
-
-    with pytest.raises(ConfigError, match="--flips"):
-        RunConfig(flips=True, tax_every=0)
 
 
 def test_study_quick_runs(tmp_path):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 import gradlab
 from gradlab.loop.config import RunConfig
 from gradlab.loop.setup.policy import load_policy
-from gradlab.loop.update.step import minibatches
+from gradlab.loop.update.batches import minibatches
 
 OBJS = ("gspo", "dfpo-min")
 # 8 prompts × G = 4 in 4 optimizer steps of 2 groups, micro-batch 4 = one group per pass:

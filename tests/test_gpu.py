@@ -64,7 +64,8 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
+    from gradlab.loop.update.step import StepWork, optimizer_step
+    from gradlab.loop.update.view import loop_instruments
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=QWEN_VOCAB, hidden_size=64, intermediate_size=128,
@@ -84,7 +85,8 @@ def _real_vocab_step_peak(n: int, tokens: int = 64, micro_batch: int = 16, G: in
     L = Learner("gspo", objectives.get("gspo"), model,
                 torch.optim.AdamW(model.parameters(), lr=1e-4), torch.Generator())
     run = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch, device="cuda",
-                    drift=False, progress=False, max_new_tokens=tokens)
+                    instruments="cheap,attribution@5,tax@5", progress=False,
+                    max_new_tokens=tokens)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     work = StepWork(ro, advantages(ro.rewards, ro.group), torch.arange(n, device="cuda"), 1)

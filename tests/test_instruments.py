@@ -63,21 +63,23 @@ def test_registry_lists_every_builtin_and_names_what_is_wrong():
         gi.register(Twin)
 
 
-def test_presets_equal_the_run_flags(tmp_path):
-    """"default" is what a run measures unless told (probes, drift, tax every tax_every), and
-    "full" adds the token-flip ledger (flips=True): the same metrics, bitwise."""
-    train(RunConfig(out=str(tmp_path / "flags"), **SMALL))
+def test_presets_equal_their_instruments_at_tax_every(tmp_path):
+    """"default" is what a run measures unless told, and "full" is the same instruments spelled
+    out, the sparse ones every tax_every steps: the same metrics, bitwise."""
+    k = SMALL["tax_every"]
+    train(RunConfig(out=str(tmp_path / "unset"), **SMALL))
     train(RunConfig(out=str(tmp_path / "default"), instruments="default", **SMALL))
-    _same(_rows(tmp_path / "flags"), _rows(tmp_path / "default"))
-    train(RunConfig(out=str(tmp_path / "flips"), flips=True, **{**SMALL, "steps": 1}))
+    _same(_rows(tmp_path / "unset"), _rows(tmp_path / "default"))
+    spelled = f"modulation,residual,attribution@{k},tax@{k},drift,drift_divergent@{k},flips@{k}"
+    train(RunConfig(out=str(tmp_path / "spelled"), instruments=spelled, **{**SMALL, "steps": 1}))
     train(RunConfig(out=str(tmp_path / "full"), instruments="full", **{**SMALL, "steps": 1}))
-    _same(_rows(tmp_path / "flips"), _rows(tmp_path / "full"))
-    off = _rows(tmp_path / "flags")[0].keys() - {"rho_prefix", "tax_share"}
+    _same(_rows(tmp_path / "spelled"), _rows(tmp_path / "full"))
+    more = _rows(tmp_path / "default")[0].keys() - {"rho_prefix", "tax_share"}
     cheap = tmp_path / "cheap"
     train(RunConfig(out=str(cheap), instruments="cheap", **{**SMALL, "steps": 1}))
     row = _rows(cheap)[0]
     assert "rho_prefix" in row and "tax_share" not in row and "drift_node_kl_mean" not in row
-    assert off  # the flags' run measured more
+    assert more  # the default run measured more
     names = [r["name"] for r in json.loads((cheap / "instruments.json").read_text())]
     assert names == ["loop", "modulation", "residual"]  # the loop's own records first
     with pytest.raises(ConfigError, match="--instruments"):

@@ -9,15 +9,13 @@ functions included):
 - an integration runs the instruments and imports no measuring module itself;
 - gradlab/loop is one sub-package per concern with imports flowing one way
   (`gradlab.loop.LAYERS`: a module imports from its own package and the ones before it);
-- the flat layout's module paths still import.
+- a loop module imports only from its file (no import hook).
 
 Run as a script (`python tests/test_layout.py`) it prints every finding at once."""
 
 import ast
-import importlib
 import importlib.util
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -32,11 +30,6 @@ TOPS = ("gradlab", "analyses")
 MEASURING = ("gradlab.probes.tax", "gradlab.probes.drift", "gradlab.probes.flips",
              "gradlab.probes.fisher", "gradlab.probes.residuals", "gradlab.probes.variance",
              "gradlab.integrations.trl.tax")
-# the flat layout's modules: each must still import from its old path
-FLAT = ("arch archsweep atomic config dist errors evaluation exitcodes fsdp guard heldout layouts "
-        "livelog lock logprobs metrics policy precision preempt probeset prop31 realmodel "
-        "reference repair reproduce resume rollout selfcheck step store task traces train tree "
-        "untrusted variance").split()
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -302,19 +295,14 @@ def test_loop_top_level_is_small_and_each_package_says_its_concern():
         assert doc and "Imports" in doc, f"{pkg.name}/__init__.py: no docstring naming its imports"
 
 
-@pytest.mark.parametrize("name", FLAT)
-def test_old_loop_paths_import_the_moved_module(name):
-    if name in ("config", "train"):
-        assert importlib.import_module(f"gradlab.loop.{name}").__file__.endswith(f"loop/{name}.py")
-        return
-    new = importlib.import_module(loop.MOVED[name])
-    sys.modules.pop(f"gradlab.loop.{name}", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module(f"gradlab.loop.{name}")
-    assert old is new and old.__spec__.name == new.__name__
-    assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message)
-               for w in caught)
+def test_loop_modules_import_only_from_their_files():
+    """gradlab.loop adds no import hook: a name under it that is not a file there (a module of
+    a sub-package named without its package) does not import."""
+    assert not any(type(f).__module__.startswith("gradlab") for f in sys.meta_path)
+    for path in LOOP.rglob("*.py"):
+        if path.parent != LOOP and path.name != "__init__.py" and \
+                not (LOOP / path.name).exists() and not (LOOP / path.stem).is_dir():
+            assert importlib.util.find_spec(f"gradlab.loop.{path.stem}") is None, path
 
 
 @pytest.mark.parametrize("cmd", ["check", "doctor"])

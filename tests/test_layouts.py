@@ -15,7 +15,7 @@ from tolerance import assert_close_f32
 
 import gradlab
 from gradlab.loop.numerics.logprobs import positions, token_logps
-from gradlab.loop.rollouts.layouts import _trie_points, batch_repair_of, layout_sums
+from gradlab.loop.rollouts.layouts import _trie_points, layout_sums
 from gradlab.loop.rollouts.repair import (
     edited_span,
     first_departure,
@@ -23,12 +23,12 @@ from gradlab.loop.rollouts.repair import (
     local_positions,
     repair_plan,
 )
-from gradlab.loop.rollouts.rollout import Rollout, generate, stop_ids
+from gradlab.loop.rollouts.rollout import Rollout, batch_repair_of, generate, stop_ids
 from gradlab.loop.rollouts.spec import Decoding, SamplingSpec
 from gradlab.loop.rollouts.tree import decode, generate_tree, mix_keys, tree_shape
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
-from gradlab.loop.update.step import micro_batches
+from gradlab.loop.update.batches import micro_batches
 
 G = 8
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

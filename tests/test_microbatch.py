@@ -26,14 +26,10 @@ from gradlab.loop.scale.dist import Dist
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask
 from gradlab.loop.train import Learner, train
+from gradlab.loop.update.batches import micro_batches
 from gradlab.loop.update.metrics import StepMetrics
-from gradlab.loop.update.step import (
-    StepWork,
-    _accumulate,
-    loop_instruments,
-    micro_batches,
-    optimizer_step,
-)
+from gradlab.loop.update.step import StepWork, _accumulate, optimizer_step
+from gradlab.loop.update.view import loop_instruments
 
 G = 4
 VARIANTS = [(n, {}) for n in objectives.names()] + [

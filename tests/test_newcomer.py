@@ -60,7 +60,7 @@ def _stored(tmp_path: Path, **edits) -> Path:
 
 @pytest.mark.parametrize("field,value,expected", [
     ("lr", "0.0002", "a number"), ("G", 8.5, "an integer"), ("steps", "40", "an integer"),
-    ("prompts", None, "an integer"), ("probes", "yes", "true or false")])
+    ("prompts", None, "an integer"), ("amp", "yes", "true or false")])
 def test_resume_names_a_hand_edited_field_of_the_wrong_type(field, value, expected, tmp_path,
                                                            capsys):
     out = _stored(tmp_path, **{field: value})

@@ -8,6 +8,7 @@ import torch
 from tolerance import assert_close_f32
 from transformers import AutoTokenizer
 
+from gradlab.loop.rollouts.rollout import encode_pairs
 from gradlab.loop.setup import policy, shipped
 from gradlab.loop.setup.policy import (
     ACCURACY_BAND,
@@ -190,7 +191,7 @@ def test_bf16_folder_loads_fp32_master_weights_with_sdpa(tmp_path, default_polic
     assert m.config._attn_implementation == "sdpa"
     for (n, p), (_, q) in zip(m.named_parameters(), bf16.named_parameters()):
         assert torch.equal(p, q.float()), n
-    pi, pm, ri, rm = policy.encode_pairs(tok, ["12+34=?", "1+2=?"], ["so 12+34=46", "so 1+2=3"])
+    pi, pm, ri, rm = encode_pairs(tok, ["12+34=?", "1+2=?"], ["so 12+34=46", "so 1+2=3"])
     eager = new_model(tok, seed=1)
     eager.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
     from gradlab.loop.numerics.logprobs import token_logps

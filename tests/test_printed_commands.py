@@ -119,8 +119,8 @@ RUN: dict[str, str | None] = {
     "gradlab tandem --instruments default,examples/own_instrument.py:SharedMass@2 ...":
         "gradlab tandem --objectives gspo,dfpo-orth --instruments "
         f"default,examples/own_instrument.py:SharedMass@2 {SIZE} --out runs/shared",
-    "gradlab tandem --flips --tax-every 1 ...":
-        f"gradlab tandem --flips --tax-every 1 {SIZE} --out runs/flips",
+    "gradlab tandem --instruments full --tax-every 1 ...":
+        f"gradlab tandem --instruments full --tax-every 1 {SIZE} --out runs/flips",
     "gradlab tandem --rollout independent ...":
         f"gradlab tandem --rollout independent {SIZE} --out runs/indep",
     # "...": the README's tree options (the same run: here, its re-run)

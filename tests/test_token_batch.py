@@ -7,9 +7,8 @@ import torch
 
 from gradlab.core.batch import TokenBatch, advantages
 from gradlab.loop.numerics.logprobs import token_logps
-from gradlab.loop.rollouts.layouts import batch_repair_of
 from gradlab.loop.rollouts.repair import generate_repair
-from gradlab.loop.rollouts.rollout import generate
+from gradlab.loop.rollouts.rollout import batch_repair_of, generate
 from gradlab.loop.rollouts.spec import SamplingSpec
 from gradlab.loop.setup.policy import load_policy
 from gradlab.loop.setup.task import ArithmeticTask

@@ -17,7 +17,7 @@ from gradlab import objectives
 from gradlab.cli.main import main
 from gradlab.loop.config import ConfigError, RunConfig
 from gradlab.loop.train import train
-from gradlab.loop.update.step import minibatches
+from gradlab.loop.update.batches import minibatches
 
 DATA = Path(__file__).parent / "data"
 SMALL = dict(steps=2, prompts=4, G=4, minibatches=2, ckpt_every=1, tax_every=1, progress=False,
@@ -152,8 +152,8 @@ def test_reproduce_cli_writes_figures_and_summary(tmp_path, capsys):
     assert main(["reproduce", "--out", str(out), "--steps", "2", "--no-progress"]) == 2
 
 
-def test_no_probes_trains_with_plain_metrics_only(tmp_path):
-    cfg = RunConfig(out=str(tmp_path / "np"), objectives=["gspo"], probes=False, **SMALL)
+def test_instruments_off_trains_with_plain_metrics_only(tmp_path):
+    cfg = RunConfig(out=str(tmp_path / "np"), objectives=["gspo"], instruments="off", **SMALL)
     train(cfg)
     ms = set(gradlab.load_run(tmp_path / "np")["metric"])
     assert {"reward", "accuracy", "loss", "grad_norm", "entropy", "clip_frac"} <= ms

@@ -205,7 +205,7 @@ CALLS = [0]
 
 def boom(batch):
     CALLS[0] += 1
-    if CALLS[0] > 1:  # --no-probes, --minibatches 1: one call per rollout step
+    if CALLS[0] > 1:  # --instruments off, --minibatches 1: one call per rollout step
         return {}["x"]
     return -(batch.logps * batch.mask).sum()
 
@@ -227,16 +227,18 @@ ONE = ["--prompts", "2", "--G", "4", "--minibatches", "1", "--probe-contexts", "
        "--eval-every", "0", "--no-progress", "--steps", "2"]
 
 
-@pytest.mark.parametrize("fn,probes,says", [
-    ("boom", "--no-probes", r"bad\.py:boom: boom raised KeyError: 'x' \(bad\.py line 7\) at step 1"),
-    ("vec", "--probes", r"vec returned a tensor of shape \(8,\) .* at step 0"),
-    ("nan", "--probes", r"nan returned nan from finite log-probs at step 0"),
-    ("detached", "--probes", r"detached returned a value that does not depend on batch\.logps"),
+@pytest.mark.parametrize("fn,instruments,says", [
+    ("boom", "off", r"bad\.py:boom: boom raised KeyError: 'x' \(bad\.py line 7\) at step 1"),
+    ("vec", "default", r"vec returned a tensor of shape \(8,\) .* at step 0"),
+    ("nan", "default", r"nan returned nan from finite log-probs at step 0"),
+    ("detached", "default", r"detached returned a value that does not depend on batch\.logps"),
 ])
-def test_a_faulty_loss_is_exit_3_with_one_line(tmp_path, monkeypatch, capsys, fn, probes, says):
+def test_a_faulty_loss_is_exit_3_with_one_line(tmp_path, monkeypatch, capsys, fn, instruments,
+                                              says):
     (tmp_path / "bad.py").write_text(BAD)
     monkeypatch.chdir(tmp_path)
-    assert main(["tandem", "--objectives", f"bad.py:{fn},grpo", "--out", "o", probes, *ONE]) == 3
+    assert main(["tandem", "--objectives", f"bad.py:{fn},grpo", "--out", "o", "--instruments",
+                 instruments, *ONE]) == 3
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and err[0].startswith("gradlab tandem: error: bad.py:") and \
         re.search(says, err[0]) and err[0].endswith("(exit code 3: a fault in the loss)"), err

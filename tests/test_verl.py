@@ -32,7 +32,7 @@ def test_verl_cases_in_verl_env():
 
 
 def _setup():
-    from gradlab.integrations.audit.verl import actor_config
+    from gradlab.integrations.audit.verl_setup import actor_config
     from gradlab.integrations.verl import losses as gv
 
     return gv, actor_config
@@ -119,7 +119,8 @@ def test_w_dev_is_the_exactness_of_W_against_gradlab_closed_form(norm):
     the `modulation` instrument's absolute w_dev = max |W − closed form| over the mini-batch
     (three micro-batches, whole groups) is round-off, against w_max = max |W| of order 1e-2;
     under DFPO, W is W̃ (what the backward uses). No closed form: no w_dev."""
-    from gradlab.integrations.audit.verl import micro_rows, run_mini_batch
+    from gradlab.integrations.audit.verl import run_mini_batch
+    from gradlab.integrations.audit.verl_setup import micro_rows
     from gradlab.testing import random_batch
 
     gv, _ = _setup()
@@ -164,7 +165,8 @@ def test_split_group_with_micro_batch_local_normaliser_breaks_cancellation():
     normalisers (mini-batch totals) cancel; micro-batch-local ones do not. The mini-batch ρ
     reported equals ρ of the W's of the calls, concatenated (an independent computation)."""
     from gradlab.core.cancellation import cancellation
-    from gradlab.integrations.audit.verl import micro_rows, run_mini_batch
+    from gradlab.integrations.audit.verl import run_mini_batch
+    from gradlab.integrations.audit.verl_setup import micro_rows
     from gradlab.testing import random_batch
 
     gv, _ = _setup()

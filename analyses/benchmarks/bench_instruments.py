@@ -23,7 +23,7 @@ import torch
 import gradlab
 import gradlab.instruments as gi
 from analyses.benchmarks.bench_probes import make_rollout
-from analyses.tools.common import in_process_run, provenance
+from analyses.tools.common import provenance
 from analyses.tools.quoted_data import replace_table
 from gradlab import jsonio, objectives
 from gradlab.loop.config import RunConfig
@@ -33,6 +33,7 @@ from gradlab.loop.setup.policy import build_tokenizer, load_policy, n_params, ne
 from gradlab.loop.train import Learner
 from gradlab.loop.update.metrics import StepMetrics
 from gradlab.loop.update.step import StepWork, optimizer_step
+from gradlab.provenance import in_process_row
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "concepts" / "instruments.md"
@@ -59,7 +60,7 @@ def bench(model, groups: int, G: int, T: int, repeats: int) -> dict[str, float]:
     learner = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
     rows = torch.arange(ro.group.numel())
-    cfg, bare = RunConfig(progress=False, G=G), RunConfig(progress=False, G=G, probes=False)
+    cfg, bare = RunConfig(progress=False, G=G), RunConfig(progress=False, G=G, instruments="off")
     runs = {}
     for name, (insts, step) in configs().items():
         c = bare if name == "off" else cfg
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     data = {"batch": f"{a.groups} groups × G = {a.G} × {a.T} response tokens, "
                      f"medians of {a.repeats} interleaved rounds",
             "provenance": provenance("analyses.benchmarks.bench_instruments", argv), "models": []}
-    data["runs"] = [in_process_run(data["provenance"])]  # measured in this process
+    data["runs"] = [in_process_row(data["provenance"])]  # measured in this process
     for name in a.models.split(","):
         torch.manual_seed(0)
         model = (load_policy()[0] if name == "tiny" else new_model(tok, name)).train()

@@ -100,8 +100,8 @@ def run_loop(a: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]
                     chat_template=False, objectives=["grpo"], steps=a.steps // a.spg,
                     prompts=a.prompts, G=a.G, minibatches=a.spg, lr=1e-5, seed=a.seed,
                     temperature=a.temperature,
-                    progress=False, max_new_tokens=a.tokens, eval_every=0, probes=full,
-                    drift=full, tax_every=1, trace_every=0, threads=1)
+                    progress=False, max_new_tokens=a.tokens, eval_every=0,
+                    instruments="default" if full else "off", tax_every=1, trace_every=0, threads=1)
     inner, times = gl_train.rollout_step, []
 
     def timed(*args, **kw):
@@ -211,13 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  round {r} {name}: {res[name][-1]}", file=sys.stderr, flush=True)
     nums, table = report(res, a)
     if a.json:
-        from analyses.tools.common import in_process_run
-        from gradlab.provenance import current
+        from gradlab.provenance import current, in_process_row
 
         prov = current()  # every child process runs this checkout's code
         what = f"<{sum(map(len, res.values()))} child processes: one per runner and round>"
         Path(a.json).write_text(jsonio.dumps({"args": vars(a), "provenance": prov, "runs": res,
-                                            "run_provenance": [in_process_run(prov, what)],
+                                            "run_provenance": [in_process_row(prov, what)],
                                             **nums}, indent=1) + "\n")
     if a.table:  # the page's <!-- table:real_trl_cost --> block (the page is made if missing)
         from analyses.tools.quoted_data import replace_table

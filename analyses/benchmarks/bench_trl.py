@@ -7,7 +7,7 @@ Loss: gradlab "grpo" (token-mean PPO-clip, ε = 0.2) vs TRL loss_type "dapo" (th
 Runners, interleaved round by round (order rotated each round) so that CPU contention from other
 jobs hits all of them alike; a warm-up round is not counted:
 
-  gradlab        gradlab.loop.train.train(RunConfig(..., probes=False)): trainer metrics only
+  gradlab        gradlab.loop.train.train(RunConfig(..., instruments="off")): trainer metrics only
   gradlab+probes the same with the default probes (drift every step, tax every 5 rollouts)
   trl            trl.GRPOTrainer
   trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ, run store every window)
@@ -57,7 +57,7 @@ class _Clock(TrainerCallback):
 
 
 def run_gradlab(a, rollouts: int, probes: bool, tmp: str) -> dict:
-    extra = {} if probes else {"probes": False}
+    extra = {} if probes else {"instruments": "off"}
     cfg = RunConfig(out=os.path.join(tmp, "gl"), objectives=["grpo"], steps=rollouts,
                     prompts=a.prompts, G=a.G, minibatches=a.minibatches, lr=a.lr,
                     seed=a.seed, progress=False, ckpt_every=rollouts, **extra)

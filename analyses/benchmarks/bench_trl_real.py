@@ -7,7 +7,7 @@ optimizer steps per rollout (gradlab `minibatches` = TRL `steps_per_generation`,
 accumulation 1), one torch thread. Loss: gradlab "grpo" (token-mean PPO-clip) vs TRL loss_type
 "dapo" (the same loss). Runners, each in its own child process (so peak RSS is per runner):
 
-  gradlab        gradlab.loop.train.train(RunConfig(..., probes=False))
+  gradlab        gradlab.loop.train.train(RunConfig(..., instruments="off"))
   gradlab+probes the same with the default probes (W, residuals, drift every step, probe set;
                  the tax on rollout 0, the warm-up)
   trl            trl.GRPOTrainer
@@ -59,7 +59,7 @@ def run_gradlab(a: argparse.Namespace, folder: str, probes: bool, tmp: str,
     cfg = RunConfig(out=os.path.join(tmp, "gl"), model=folder, objectives=["grpo"],
                     steps=a.rollouts, prompts=a.prompts, G=a.G, minibatches=a.minibatches,
                     lr=a.lr, seed=a.seed, progress=False, max_new_tokens=a.tokens,
-                    eval_every=0, probes=probes, threads=1)
+                    eval_every=0, instruments="default" if probes else "off", threads=1)
     inner, times = gl_train.rollout_step, []
 
     def timed(*args, **kw):
@@ -84,7 +84,8 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from gradlab.integrations.audit.trl import WORKLOADS, dataset_and_reward, grpo_args
+    from gradlab.integrations.audit.trl import WORKLOADS, grpo_args
+    from gradlab.integrations.audit.trl_setup import dataset_and_reward
     from gradlab.integrations.trl import GradlabConfig, GradlabGRPOTrainer
     from gradlab.loop.setup.policy import load_policy
 

@@ -28,7 +28,8 @@ def main() -> None:
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
+    from gradlab.loop.update.step import StepWork, optimizer_step
+    from gradlab.loop.update.view import loop_instruments
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=64)
@@ -48,7 +49,7 @@ def main() -> None:
     adv = gradlab.advantages(torch.randint(0, 2, (n,)).float(), ro.group)
     L = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
                 torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
-    cfg, rows = RunConfig(progress=False, drift=True), torch.arange(n)
+    cfg, rows = RunConfig(progress=False), torch.arange(n)
     steps = {"bare": lambda: bp.bare_step(L, ro, adv),
              "cheap": lambda: optimizer_step(L, cfg, StepWork(ro, adv, rows, 1), StepMetrics(),
                                              loop_instruments(cfg), Dist())}  # step 1: no tax

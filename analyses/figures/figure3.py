@@ -46,7 +46,6 @@ from analyses.tools.common import (
     FIGURES,
     QUICK,
     ROOT,
-    align_tokens,
     load_seeds,
     paired_table,
     per_seed,
@@ -58,6 +57,7 @@ from analyses.tools.common import (
 )
 from gradlab import jsonio
 from gradlab import viz as plots
+from gradlab.viz.seeds import align_tokens
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo", "grpo"]
 LABELS = {"dfpo-min": "DFPO (Min-Replace)", "dfpo-orth": "DFPO (Orth-Proj)",

@@ -58,7 +58,7 @@ from gradlab.stats import paired_interval, seeds_needed
 TWINS = ("dfpo-min", "dfpo-orth")
 OBJECTIVES = [*TWINS, "gspo"]
 # probes off (only accuracy is read): ~3 × 150 × 0.13 s per seed on one thread
-FULL = dict(steps=150, prompts=8, G=8, minibatches=4, probes=False, trace_every=0,
+FULL = dict(steps=150, prompts=8, G=8, minibatches=4, instruments="off", trace_every=0,
             ckpt_every=50, progress=False)
 METRICS = {"train_acc_last5": "training accuracy, last 5 rollout steps",
            "heldout_acc": "held-out accuracy of the final policy (temperature 1)"}
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.reanalyse:
         return reanalyse(Path(a.out or FIGURES), argv)
     n_seeds = a.seeds or (3 if a.quick else 10)
-    size = dict(QUICK, probes=False, trace_every=0) if a.quick else dict(FULL)
+    size = dict(QUICK, instruments="off", trace_every=0) if a.quick else dict(FULL)
     if a.steps:
         size["steps"] = a.steps
     eval_n = a.eval_n or (16 if a.quick else 256)

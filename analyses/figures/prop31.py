@@ -28,14 +28,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from analyses.tools.common import FIGURES, in_process_run, provenance, set_threads
+from analyses.tools.common import FIGURES, provenance, set_threads
 from gradlab import jsonio
 from gradlab import viz as plots
 from gradlab.loop.config import RunConfig
 from gradlab.loop.recipes.prop31 import prop31_tandem
+from gradlab.provenance import in_process_row
 from gradlab.stats import loglog_fit
 
-BASE = dict(prompts=8, G=8, minibatches=4, probes=False, progress=False)
+BASE = dict(prompts=8, G=8, minibatches=4, instruments="off", progress=False)
 # (label, objectives, lr, rollout steps): the default lr, then 10× and 50× for larger steps
 FULL = [("lr 2e-4", ["grpo", "gspo", "dfpo-min"], 2e-4, 20),
         ("lr 2e-3", ["gspo", "dfpo-min"], 2e-3, 10),
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes, steps = collect(configs, a.task, size)
     steps.to_csv(out / "prop31.csv", index=False, float_format="%.6g")
     table = fits(nodes, steps)
-    runs = [in_process_run(prov)]
+    runs = [in_process_row(prov)]
     meta = {"provenance": prov, "runs": runs, "task": a.task, "size": size,
             "configs": [{"label": c, "objectives": o, "lr": lr, "rollout_steps": s}
                         for c, o, lr, s in configs],

@@ -53,7 +53,7 @@ LAYOUTS = {  # label -> RunConfig options
 
 def rollouts(task_name: str, opts: dict, steps: int, prompts: int, seed: int):
     """The loop's rollouts of steps 0..steps−1 (one learner, no update between them)."""
-    cfg = RunConfig(task=task_name, G=8, prompts=prompts, seed=seed, threads=1, probes=False,
+    cfg = RunConfig(task=task_name, G=8, prompts=prompts, seed=seed, threads=1, instruments="off",
                     minibatches=1,
                     **opts)
     task = get_task(task_name)

@@ -1,8 +1,8 @@
 """Token flips: what one optimizer step does to each sampled token, by advantage sign, node kind
 and confidence, under three ways of cutting a rollout batch into optimizer steps.
 
-Each run is a tandem `gradlab tandem --task T --objectives grpo,gspo,dfpo --flips --tax-every 1
---no-probes --eval-every 0 --seed k` plus the variant's option: whole groups per step (the
+Each run is a tandem `gradlab tandem --task T --objectives grpo,gspo,dfpo --instruments flips@1
+--tax-every 1 --eval-every 0 --seed k` plus the variant's option: whole groups per step (the
 default), `--split-groups` (rows shuffled over steps, like TRL) or `--balance-polarity` (whole
 groups, each step its share of positive and negative rows). The ledger (`gradlab.probes.flips`)
 is measured at every optimizer step of every rollout step; its cell sums are added over the
@@ -39,7 +39,7 @@ from gradlab.probes.flips import ALL, FIELDS, KINDS, PREFIX, SIGNS, conf_labels
 
 OBJECTIVES = ["grpo", "gspo", "dfpo"]
 VARIANTS = {"whole": {}, "split": {"split_groups": True}, "balanced": {"balance_polarity": True}}
-BASE = dict(objectives=OBJECTIVES, flips=True, tax_every=1, probes=False, eval_every=0,
+BASE = dict(objectives=OBJECTIVES, instruments="flips@1", tax_every=1, eval_every=0,
             ckpt_every=1000, progress=False)
 FULL = {"arithmetic": dict(steps=10, seeds=5), "scaffold": dict(steps=2, seeds=3)}
 QUICK = {"arithmetic": dict(steps=1, seeds=1, prompts=2, G=4, minibatches=2)}

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from analyses.tools.common import FIGURES, in_process_run, provenance, set_threads, stamp
+from analyses.tools.common import FIGURES, provenance, set_threads, stamp
 from gradlab import jsonio
 from gradlab.loop.recipes.variance import DEFAULT_OBJECTIVES, measure_variance
+from gradlab.provenance import in_process_row
 from gradlab.viz.curves import save
 from gradlab.viz.variance import summary_table, variance_figure
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                       for t in TASKS], ignore_index=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"K": K, "reference_batches": R, "rollout": a.rollout, **size, **prov,
-            "runs": [in_process_run(prov)]}
+            "runs": [in_process_row(prov)]}
     tidy.to_csv(out.with_suffix(".csv"), index=False)
     out.with_suffix(".json").write_text(jsonio.dumps(meta, indent=1))
     write(tidy, out, meta)

@@ -52,7 +52,7 @@ from gradlab.loop.recipes.evaluation import expected_accuracy, heldout_draw, sam
 
 OBJECTIVES = ["dfpo-min", "dfpo-orth", "gspo"]
 STEPS = {"arithmetic": 30, "scaffold": 20}  # the independent layout of tree_tandem.py
-SIZE = dict(prompts=8, G=8, minibatches=4, probes=False, trace_every=0, eval_every=0,
+SIZE = dict(prompts=8, G=8, minibatches=4, instruments="off", trace_every=0, eval_every=0,
             progress=False)
 # (name, kind, N, K): the loop's held-out protocol is "sampled 128×1" (eval_size 128)
 SCHEMES = [("sampled 128×1", "sampled", 128, 1), ("sampled 256×1", "sampled", 256, 1),
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out or (runs if a.quick else FIGURES))
     t0, prov, ledger, longs = time.time(), provenance("analyses.studies.noise_budget", argv), [], []
     for task in a.tasks.split(","):
-        size = dict(QUICK, probes=False, trace_every=0, G=8) if a.quick else dict(
+        size = dict(QUICK, instruments="off", trace_every=0, G=8) if a.quick else dict(
             SIZE, steps=STEPS[task])
         run_seeds(runs / task, range(n_seeds), ledger=ledger, objectives=OBJECTIVES, task=task,
                   **size)

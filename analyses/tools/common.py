@@ -20,8 +20,6 @@ import torch
 from gradlab import jsonio
 from gradlab.loop.config import RunConfig
 from gradlab.loop.runs.store import REASON, load_run
-from gradlab.provenance import in_process_row as in_process_run  # noqa: F401  (the one row builder)
-from gradlab.viz.seeds import align_tokens  # noqa: F401  (figure3 imports it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "figures"

@@ -52,8 +52,11 @@ def _new_defaults(ca: dict, cb: dict) -> dict:
 def compare(a: Path, b: Path) -> tuple[dict, list[str]]:
     """(counts of what matched, differences as lines) between run folders a and b; counts
     holds "new options": the config keys allowed by `_new_defaults`."""
+    from gradlab.loop.config import current_form
+
     diffs, counts = [], {"metric values": 0, "files": 0}
-    ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    # an older run's flat measuring flags compare as the instrument spec they measure
+    ca, cb = (current_form(json.loads((p / "config.json").read_text())) for p in (a, b))
     counts["new options"] = _new_defaults(ca, cb)
     for k in sorted((set(ca) | set(cb)) - ALLOWED_CONFIG - set(counts["new options"])):
         if ca.get(k) != cb.get(k):

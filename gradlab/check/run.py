@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.userloss import UserLossError, guarded, load_loss, report_raised  # noqa: F401
+from ..core.userloss import UserLossError, guarded, load_loss, report_raised
 from . import baseline as cb
 from .scenarios import REGIMES
 

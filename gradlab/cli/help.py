@@ -14,20 +14,17 @@ HELP = {
     "balance_polarity": "give every optimizer step its share of positive- and negative-advantage "
                         "responses (whole groups, or single responses with --split-groups; "
                         "docs/concepts/token-flips.md)",
-    "flips": "token-flip ledger: Δ log π of every sampled token across each optimizer step, by "
-             "advantage sign × node kind × confidence, every --tax-every rollout steps (one "
-             "extra forward when --drift is off; docs/concepts/token-flips.md)",
     "micro_batch": "sequences per forward/backward in an optimizer step (a multiple of G; "
                    "gradient accumulation, same update; default: the whole step)",
     "fsdp": "shard the policy with FSDP2 under torchrun (≥ 2 ranks; sampling and probes "
             "gather the full weights, see docs/guides/real-models.md)",
     "amp": "bf16 autocast for every forward on any device (CPU included); float32 master "
            "weights, AdamW state, log-probs and checkpoints; FSDP2 gathers bf16, reduces fp32",
-    "tax_every": "parameter-space tax and attribution every k rollout steps (0 = never)",
+    "tax_every": "the presets' heavy instruments (tax, attribution, drift at divergent tokens, "
+                 "flips) every k rollout steps (0 = never)",
     "eval_every": "held-out evaluation (greedy and sampled at --temperature; keys eval_accuracy, "
                   "eval_accuracy_greedy) every k rollout steps and at the end (0 = off)",
     "eval_size": "held-out problems per evaluation (disjoint from training prompts)",
-    "drift": "drift at each step's shared contexts (a small extra forward per step)",
     "trace_every": "token traces every k rollout steps (0 = none; gradlab.load_traces)",
     "trace_groups": "groups traced per traced rollout step",
     "log": "live logging while training: tensorboard and/or trackio (comma-separated)",
@@ -55,10 +52,9 @@ HELP = {
               "local (re-sample from the response's last positions first, walking back)",
     "repair_tries": "repair resample/local: tries per incorrect response (first correct one "
                     "kept; local: each from one position earlier)",
-    "instruments": "what each step measures, instead of --probes/--drift/--flips: presets off, "
-                   "cheap, default, full; instrument names (gradlab instruments) with @k for "
+    "instruments": "what each step measures: presets off (plain trainer metrics), cheap, "
+                   "default, full (default + the token-flip ledger, docs/concepts/token-flips.md); "
+                   "instrument names (gradlab instruments) with @k for "
                    "every k-th step; your own as module:Class, e.g. 'cheap,tax@10,my.mod:Spread' "
                    "(docs/guides/own-instrument.md)",
-    "probes": "gradlab's measurements (W, residuals, tax, drift, probe set); --no-probes "
-              "trains with plain trainer metrics only",
 }

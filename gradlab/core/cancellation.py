@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from .batch import TokenBatch
+from .losses import MECHANISMS
 from .nodes import SharedNodes, shared_nodes
-from .objectives import MECHANISMS
 
 
 @dataclass

@@ -27,19 +27,16 @@ from . import variants
 from .batch import TokenBatch
 from .dfpo import SCOPES, TRANSFORMS, node_map, transform_vjp, transform_weights
 from .ibpo import IBPO
-from .losses import (  # noqa: F401  (re-exported: the objectives' public home)
+from .losses import (
     CLIPS,
     GRPO,
     GSPO,
-    MECHANISMS,
-    NORMS,
+    MECHANISMS,  # noqa: F401  (gradlab/instruments/builtin.py imports it from here)
     GRPOFix,
     GSPOToken,
     Objective,
     _adv,
-    _check_eps,
     _f,
-    _lengths,
 )
 from .nodes import NODE_KINDS
 

@@ -80,10 +80,7 @@ class RunConfig:
     tax_every: int = 5
     eval_every: int = 10  # held-out evaluation every k rollout steps and at the end (0 = off)
     eval_size: int = 64  # held-out problems per evaluation (loop/setup/heldout.py)
-    probes: bool = True
-    drift: bool = True
-    flips: bool = False  # token-flip ledger on heavy steps (every tax_every; gradlab/instruments)
-    instruments: str = ""  # "" = from probes/drift/flips/tax_every; else a spec (gradlab/instruments)
+    instruments: str = "default"  # what each step measures: a spec (gradlab/instruments)
     probe_contexts: int = 16
     progress: bool = True
     trace_every: int = 10
@@ -104,13 +101,54 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> RunConfig:
-        data = json.loads(Path(path).read_text())
+        data = current_form(json.loads(Path(path).read_text()), str(path))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"config {path}: unknown option(s) {unknown}; valid: {sorted(known)}")
         check_types(data, str(path))
         return cls(**data)
+
+
+# the measuring flags of a config.json written by gradlab 0.1 before `instruments` chose
+FLAT_FLAGS = ("probes", "drift", "flips")
+
+
+def flat_instruments(probes: bool = True, drift: bool = True, flips: bool = False,
+                     tax_every: int = 5) -> str:
+    """The instrument spec that measures what the 0.1 flags did: with probes, W's deviation and
+    ρ every step, attribution and the learning tax every `tax_every` steps (the other
+    objectives' ρ in same-batch mode, which the loop adds to any spec); with drift, drift at
+    the nodes every step and at divergent tokens every `tax_every` steps; with flips, the
+    token-flip ledger every `tax_every` steps. A preset name where one measures exactly that."""
+    k = tax_every
+    if probes and drift:
+        return "full" if flips else "default"
+    items = ["modulation", "residual", f"attribution@{k}", f"tax@{k}"] if probes else []
+    items += [f"flips@{k}"] if flips else []
+    return ",".join(items) or "off"
+
+
+def current_form(data: dict, source: str = "config") -> dict:
+    """A config.json's options (`source` names it in errors) in the current form: a flat 0.1
+    file's `probes`, `drift` and `flips` (with no `instruments`, or an empty one) become the
+    `instruments` spec that measures the same (`flat_instruments`). Anything else is returned
+    unchanged."""
+    if not isinstance(data, dict) or not (any(k in data for k in FLAT_FLAGS)
+                                          or data.get("instruments") == ""):
+        return data
+    out = {k: v for k, v in data.items() if k not in FLAT_FLAGS}
+    if not out.get("instruments"):
+        flags = {k: data[k] for k in FLAT_FLAGS if k in data}
+        tax = data.get("tax_every", RunConfig.tax_every)
+        for k, v, ok, want in [*((k, v, isinstance(v, bool), "true or false")
+                                 for k, v in flags.items()),
+                               ("tax_every", tax, isinstance(tax, int) and not isinstance(tax, bool)
+                                and tax >= 0, "an integer ≥ 0")]:
+            if not ok:
+                raise ConfigError(f"{source}: option {k!r} is {jsonio.dumps(v)}; expected {want}")
+        out["instruments"] = flat_instruments(**flags, tax_every=tax)
+    return out
 
 
 def check_types(data: dict, source: str) -> None:
@@ -242,8 +280,9 @@ def _validate_values(c: RunConfig) -> None:
     if c.minibatches > units:
         what = "responses" if c.split_groups else "prompts (groups stay whole)"
         raise ConfigError(f"--minibatches: {c.minibatches} > {units} {what} per rollout batch")
-    if c.flips and c.tax_every == 0:
-        raise ConfigError("--flips is measured every --tax-every rollout steps: set --tax-every ≥ 1")
+    if not isinstance(c.instruments, str) or not c.instruments.strip():
+        raise ConfigError(f"--instruments: {c.instruments!r} names no instrument; give a preset "
+                          "(off, cheap, default, full) or instrument names")
     if c.micro_batch is not None:
         if c.micro_batch < 1 or c.micro_batch % c.G:
             raise ConfigError(f"--micro-batch: {c.micro_batch} is not a positive multiple of --G "
@@ -260,8 +299,6 @@ def _validate_values(c: RunConfig) -> None:
         raise ConfigError(f"--on-nonfinite: unknown {c.on_nonfinite!r}; valid: stop, skip")
     if c.mode not in MODES:
         raise ConfigError(f"--mode: unknown {c.mode!r}; valid: {', '.join(MODES)}")
-    if c.mode == "same-batch" and not c.probes:
-        raise ConfigError("--mode same-batch measures the other objectives: it needs --probes")
     if c.adv_scale not in ADV_SCALES:
         raise ConfigError(f"--adv-scale: unknown {c.adv_scale!r}; valid: {', '.join(ADV_SCALES)}")
 

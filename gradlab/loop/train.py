@@ -39,10 +39,12 @@ from .setup.heldout import TrainSplit, eval_problems, evaluate_heldout
 from .setup.policy import load_policy
 from .setup.realmodel import format_problems, prepare_run
 from .setup.task import BUILTIN_TASKS, check_encodable, get_task
+from .update.batches import minibatches
 from .update.learner import Learner
 from .update.metrics import StepMetrics
 from .update.probeset import probe_metrics, probe_set
-from .update.step import StepWork, loop_instruments, minibatches, optimizer_step
+from .update.step import StepWork, optimizer_step
+from .update.view import loop_instruments
 
 EVAL_KEYS = ("eval_accuracy", "eval_accuracy_greedy", "eval_accuracy_expected", "time_eval")
 
@@ -163,7 +165,9 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals, D: Dist) ->
     except (ValueError, TypeError) as e:
         raise ConfigError(f"--instruments: {e}") from None
     # the probe set is drawn from the initial weights before the last learner takes them over
-    probes = probe_set(model.to(cfg.device), tok, task, cfg) if cfg.probes else None
+    # the probe contexts and token traces go with the instruments that measure W
+    watched = any("W" in i.needs and i.schedule.enabled for i in instruments)
+    probes = probe_set(model.to(cfg.device), tok, task, cfg) if watched else None
     learners = make_learners(cfg, model, trained)
     del model
     start = restore(store, learners, D) if resume else 0  # loop/runs/resume.py
@@ -174,7 +178,7 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals, D: Dist) ->
         # the shorter run evaluated at its end (step start-1); an uninterrupted run of this
         # length does not evaluate there, so neither does the resumed one: resume stays exact
         store.drop_keys_at(start - 1, EVAL_KEYS)
-    tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and cfg.probes, start)
+    tracer = TraceWriter(store.path, cfg.trace_every, cfg.trace_groups, tok, D.main and watched, start)
     live = LiveLogger(cfg.log, store.path, cfg.to_json(), D.main, start)
     for L in learners:
         plain = list(L.model.parameters())

@@ -8,8 +8,9 @@
 - `node_drift`, `kl_rows`, `entropy`, `equal_solution_logodds`: drift and collapse figures.
 """
 
+from ..instruments.schedule import Schedule
 from .drift import entropy, equal_solution_logodds, kl_rows, node_drift, shared_drift
-from .modulation import ModulationProbe, Schedule
+from .modulation import ModulationProbe
 from .residuals import defined_ratio
 from .tax import group_of, layer_groups, learning_tax
 from .transform import DFPOGradientTransform

@@ -21,7 +21,6 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from ..core.batch import TokenBatch
-from ..instruments.schedule import Schedule  # noqa: F401  (the probes' schedule)
 
 if TYPE_CHECKING:
     from typing_extensions import Self

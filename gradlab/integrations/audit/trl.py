@@ -27,12 +27,11 @@ from pathlib import Path
 import pandas as pd
 
 from ..trl.host import closed_form
-from .trl_setup import (  # noqa: F401  (public here too)
+from .trl_setup import (
     GSPO_EPS,
     OFF_SPG,
     WORKLOADS,
     Workload,
-    dataset_and_reward,
     grpo_args,
     make_trainer,
     pool_windows,

@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .verl_setup import MICRO, N_GROUPS, G, actor_config, micro_rows  # noqa: F401
+from .verl_setup import MICRO, N_GROUPS, G, actor_config, micro_rows
 
 if TYPE_CHECKING:  # torch and pandas load in the functions: a mistaken option is answered at once
     import pandas as pd

@@ -39,8 +39,10 @@ from ..scale.dist import Dist, unwrap
 from ..setup.policy import load_policy
 from ..setup.task import get_task
 from ..train import Learner, make_learners, sample
+from ..update.batches import minibatches
 from ..update.metrics import StepMetrics
-from ..update.step import StepWork, loop_instruments, minibatches, optimizer_step
+from ..update.step import StepWork, optimizer_step
+from ..update.view import loop_instruments
 
 
 def _norm(d: dict[str, torch.Tensor]) -> float:

@@ -33,6 +33,7 @@ from scipy.stats import nct
 from scipy.stats import t as student_t
 
 from ... import jsonio
+from ..config import FLAT_FLAGS, current_form
 
 REFERENCE = Path(__file__).resolve().parents[2] / "data" / "reproduce_reference.json"
 LEVEL = 0.99  # per number, two-sided: the test flags a number when |t| > t_{1 − (1 − LEVEL)/2}
@@ -107,6 +108,11 @@ def load_reference(path: str | Path = REFERENCE) -> dict:
     if ref["gradlab_reference"] == 2 and not {"config", "seeds", "runs"} <= set(ref):
         raise ValueError(f"{path}: not a gradlab reference (a saved reference lacks "
                          "'config', 'seeds' or 'runs')")
+    if isinstance(ref.get("config"), dict):  # a 0.1 reference's measuring flags: their spec
+        flat = set(ref.get("typed", [])) & set(FLAT_FLAGS)
+        ref["config"] = current_form(ref["config"], str(path))
+        if flat:
+            ref["typed"] = sorted(set(ref["typed"]) - flat | {"instruments"})
     return ref
 
 

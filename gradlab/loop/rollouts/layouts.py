@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import LAYOUTS  # noqa: F401  (the option's values; re-exported)
-from .rollout import Rollout, batch_repair_of, generate  # noqa: F401  (batch_repair_of: re-exported)
+from .rollout import Rollout, generate
 from .spec import SamplingSpec
 
 

@@ -26,7 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ... import jsonio
-from ..config import ConfigError, RunConfig, check_types
+from ..config import ConfigError, RunConfig, check_types, current_form
 
 
 class CorruptFileError(ValueError):
@@ -108,7 +108,7 @@ def read_config(path: Path) -> dict:
                           "another --out") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} is corrupt (not a JSON object); restore it or start a new run")
-    return data
+    return current_form(data, str(path))  # a flat 0.1 file: its measuring flags as a spec
 
 
 def resolve_resume(resume: bool | str, out: str | Path, D) -> bool:

@@ -27,13 +27,11 @@ from ..config import ConfigError, check_model_files
 from ..faults.untrusted import check_pickles
 from ..numerics.arch import choose_attn, set_dropout
 from ..numerics.logprobs import token_logps
-from ..rollouts.rollout import encode_pairs, generate  # noqa: F401  (encode_pairs: re-exported)
-from .shipped import (  # noqa: F401  (DATA_DIR: re-exported)
-    DATA_DIR,
+from ..rollouts.rollout import encode_pairs, generate
+from .shipped import (
     DEFAULT_POLICY_DIR,
     SCAFFOLD_POLICY_DIR,
     SHIPPED_POLICIES,
-    MissingPolicyError,
     check_shipped_policy,
 )
 from .task import ArithmeticTask, ScaffoldTask

@@ -25,7 +25,6 @@ from pathlib import Path
 from ..config import ConfigError
 from ..faults.untrusted import check_task_size
 from .answers import (
-    MATH_INSTALL,  # noqa: F401  (re-exported)
     Problem,
     _math_verify,
     _solution_form,

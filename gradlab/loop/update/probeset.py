@@ -40,7 +40,7 @@ def probe_set(model, tok, task, cfg) -> dict:
     probes["ref"] = _context_logprobs(model, probes, cfg) if sn.n else None
     sols = [task.solutions(p) for p in problems]
     if all(len(s) >= 2 for s in sols):
-        from ..setup.policy import encode_pairs
+        from ..rollouts.rollout import encode_pairs
 
         prompts = [p.prompt for p in problems]
         probes["forms"] = [encode_pairs(tok, prompts, [s[k] for s in sols], device=cfg.device)

@@ -32,7 +32,7 @@ from ..rollouts.rollout import Rollout
 from ..runs.traces import record_trace
 from ..scale.dist import Dist, unwrap
 from ..scale.fsdp import FullGrads, gathered, is_sharded
-from .batches import micro_batches, minibatches  # noqa: F401  (the loop imports them from here)
+from .batches import micro_batches
 from .learner import Learner
 from .metrics import StepMetrics
 from .view import loop_instruments, step_view  # noqa: F401  (loop_instruments: the loop's set)
@@ -116,7 +116,7 @@ def _forward_backward(learner: Learner, cfg: RunConfig, work: StepWork, view: Ho
         for _ in range(max(passes, 1)):
             _zero_pass(learner, cfg, rollout)
         return torch.zeros((), device=dev)
-    watch = cfg.probes or "W" in instruments.needs(work.step)
+    watch = "W" in instruments.needs(work.step)
     view.batch, view.W, view.entropy, loss = _accumulate(
         learner, cfg, rollout, work.advantages, rows, (int(tot[0]), int(tot[1]), width), passes,
         watch)
@@ -185,11 +185,11 @@ def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.T
     makes the earlier positions' log-probs independent of it). Under DDP every micro-batch but
     the last runs under `no_sync`, so gradients are all-reduced once per step. passes: under
     FSDP the ranks' largest micro-batch count; this rank pads with zero-loss passes up to it.
-    watch: measure W (default `cfg.probes`). Returns (the step's TokenBatch (B, T) with
+    watch: measure W (default: yes). Returns (the step's TokenBatch (B, T) with
     detached log-probs, W (B, T) or None when not watched, entropy (B, T), the loss: sum of
     the micro-batch losses = the one-pass loss).
     """
-    watch = cfg.probes if watch is None else watch
+    watch = True if watch is None else watch
     B, T = rows.numel(), rollout.response_ids.shape[1]
     dev = rollout.response_ids.device
     logps = torch.zeros(B, T, device=dev)

@@ -12,19 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...core.batch import TokenBatch
-from ...instruments import (
-    Attribution,
-    DivergentDrift,
-    Drift,
-    Flips,
-    InstrumentSet,
-    Modulation,
-    Residual,
-    SameBatch,
-    Schedule,
-    Tax,
-    resolve,
-)
+from ...instruments import InstrumentSet, SameBatch, resolve
 from ...instruments.forwards import Policy
 from ...instruments.host import HOSTS, HostView
 from ...probes.tax import reduce_tax
@@ -69,27 +57,12 @@ def step_view(model: torch.nn.Module, cfg: RunConfig, rollout: Rollout, rows: to
 
 
 def loop_instruments(cfg: RunConfig, others: list | tuple = ()) -> InstrumentSet:
-    """The instruments a run measures: `cfg.instruments` when set (a spec,
-    `gradlab.instruments.resolve`, the presets' sparse ones every `tax_every` steps), else
-    what the flags say — with probes: W's deviation and ρ every step (+ the other objectives'
-    ρ in same-batch mode), attribution and the learning tax every `tax_every` steps, drift at
-    the nodes every step and at divergent tokens every `tax_every` steps (`drift`); the
-    token-flip ledger every `tax_every` steps (`flips`)."""
-    if cfg.instruments:
-        chosen = resolve(cfg.instruments, heavy_every=cfg.tax_every)
-        if others and not any(i.name == "same_batch" for i in chosen):
-            chosen.append(SameBatch())
-    else:
-        every, heavy = Schedule(), Schedule(every=cfg.tax_every)
-        chosen = [Modulation(every), Residual(every)] if cfg.probes else []
-        if cfg.probes and others:
-            chosen.append(SameBatch(every))
-        if cfg.probes:
-            chosen += [Attribution(heavy), Tax(heavy)]
-        if cfg.probes and cfg.drift:
-            chosen += [Drift(every), DivergentDrift(heavy)]
-        if cfg.flips:
-            chosen.append(Flips(heavy))
+    """The instruments a run measures: the spec `cfg.instruments` (`gradlab.instruments.resolve`,
+    the presets' sparse ones every `tax_every` steps), with the other objectives' ρ every step
+    in same-batch mode (`others`: their (label, objective) pairs)."""
+    chosen = resolve(cfg.instruments, heavy_every=cfg.tax_every)
+    if others and not any(i.name == "same_batch" for i in chosen):
+        chosen.append(SameBatch())
     for inst in chosen:  # the other objectives' pairs (same-batch mode), for any spec
         if isinstance(inst, SameBatch):
             inst.others = list(others)
