@@ -168,8 +168,8 @@ def test_view_of_a_run_without_its_manifest_says_how_to_remake_it(page_file, tmp
     assert main(["view", str(bare), "--out", str(tmp_path / "p.html")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(bare / "instruments.json") in err
-    assert f"python -m gradlab.instruments.manifest {bare}" in err
-    from gradlab.instruments.manifest import remake
+    assert f"python -m gradlab.loop.recipes.manifest {bare}" in err
+    from gradlab.loop.recipes.manifest import remake
 
     remake(bare)  # the command the message names
     assert (bare / "instruments.json").read_text() == (run / "instruments.json").read_text()

@@ -31,7 +31,6 @@ from .losses import (
     CLIPS,
     GRPO,
     GSPO,
-    MECHANISMS,  # noqa: F401  (gradlab/instruments/builtin.py imports it from here)
     GRPOFix,
     GSPOToken,
     Objective,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cancellation import attribution_sums, node_coefficients
-from ..core.objectives import MECHANISMS
+from ..core.losses import MECHANISMS
 from ..probes.drift import divergent_dlogp, drift_sums
 from ..probes.flips import PREFIX as FLIPS
 from ..probes.flips import flip_ledger, flip_shares

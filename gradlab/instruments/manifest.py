@@ -155,7 +155,7 @@ class Manifest:
         if not path.exists():
             raise FileNotFoundError(
                 f"{path} is missing: gradlab's loop and the TRL trainer write it when a run "
-                f"starts; re-make it with `python -m gradlab.instruments.manifest {run}`")
+                f"starts; re-make it with `python -m gradlab.loop.recipes.manifest {run}`")
         return cls(json.loads(path.read_text()))
 
     @classmethod
@@ -191,24 +191,3 @@ def builtin_manifest() -> Manifest:
     from .registry import resolve
 
     return Manifest([loop_entry()] + [instrument_entry(i) for i in resolve("full,same_batch")])
-
-
-def remake(run: str | Path) -> Path:
-    """Write the manifest of a gradlab-loop run folder from its config.json (the instruments
-    its `--instruments` and flags select); returns its path."""
-    from ..core import variants
-    from ..loop.config import RunConfig
-    from ..loop.train import build_objective
-    from ..loop.update.step import loop_instruments
-
-    cfg = RunConfig.from_json(Path(run) / "config.json")
-    others = [] if cfg.mode == "tandem" else [
-        (variants.label(n), build_objective(cfg, n)) for n in cfg.objectives[1:]]
-    return write_manifest(run, list(loop_instruments(cfg, others)), loop=True)
-
-
-if __name__ == "__main__":
-    import sys
-
-    for folder in sys.argv[1:]:
-        print(f"wrote {remake(folder)}")

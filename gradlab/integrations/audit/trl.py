@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..trl.host import closed_form
 from .trl_setup import (
     GSPO_EPS,
     OFF_SPG,
@@ -48,6 +47,7 @@ LEVELS = ("token", "sequence")
 def audit_setting(loss_type: str, level: str, off: bool, workload: Workload, gens: int,
                   dfpo: str | None = None, seed: int = 0) -> dict:
     """Run one TRL setting for `gens` generation batches; pooled figures as a dict."""
+    from ..trl.host import closed_form
     from ..trl.trainer import GradlabConfig
 
     spg = OFF_SPG if off else 1

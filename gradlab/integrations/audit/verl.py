@@ -82,7 +82,7 @@ def relative_dev(batch: TokenBatch, rows: torch.Tensor, loss_mode: str, agg: str
 
     from ...core.batch import TokenBatch
     from ..verl.losses import last_modulation
-    from ..verl.parts import _global_totals, closed_form, row_advantages
+    from ..verl.parts import global_totals, closed_form, row_advantages
 
     base = loss_mode.split(":")[1] if ":" in loss_mode else "vanilla"
     mask = batch.mask[rows]
@@ -96,7 +96,7 @@ def relative_dev(batch: TokenBatch, rows: torch.Tensor, loss_mode: str, agg: str
                        logps=batch.logps[rows].to(torch.float64),
                        old_logps=batch.old_logps[rows].to(torch.float64),
                        advantages=adv.to(torch.float64), group=batch.group[rows], validate=False,
-                       **_global_totals(cfg))
+                       **global_totals(cfg))
     Wc = form.modulation(micro)
     scale = float(ref.abs().max()) or 1.0  # W ≡ 0: the absolute deviation (0 = agree)
     return float((ref.double() - Wc).abs().max()) / scale

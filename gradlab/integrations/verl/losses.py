@@ -174,7 +174,7 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 from .parts import (  # noqa: E402,F401
     DFPOForm,
     MiniBatchForm,
-    _global_totals,
+    global_totals,
     closed_form,
     dfpo_delta,
     row_advantages,
@@ -206,7 +206,7 @@ def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, c
                       logps=log_prob.detach(), old_logps=old_log_prob.detach(),
                       advantages=row_advantages(advantages, mask, strict, who, tokens=True),
                       group=torch.tensor(labels, dtype=torch.long, device=log_prob.device),
-                      validate=False, **_global_totals(config))
+                      validate=False, **global_totals(config))
 
 
 def _close(mini: _MiniBatch) -> dict[str, float]:

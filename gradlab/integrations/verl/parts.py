@@ -64,7 +64,7 @@ def dfpo_delta(W: Tensor, batch: TokenBatch, transform: str, nodes: str = "prefi
     return a * (transform_weights(w, A, node, n, transform) - w)
 
 
-def _global_totals(config) -> dict:
+def global_totals(config) -> dict:
     """TokenBatch normaliser totals from verl's `config.global_batch_info` (engine path), per
     process: verl scales each process's loss by dp_size because the gradient is averaged."""
     info = getattr(config, "global_batch_info", None) or {}

@@ -35,7 +35,7 @@ from ..scale.fsdp import FullGrads, gathered, is_sharded
 from .batches import micro_batches
 from .learner import Learner
 from .metrics import StepMetrics
-from .view import loop_instruments, step_view  # noqa: F401  (loop_instruments: the loop's set)
+from .view import step_view
 
 
 @dataclass
