@@ -82,7 +82,7 @@ def relative_dev(batch: TokenBatch, rows: torch.Tensor, loss_mode: str, agg: str
 
     from ...core.batch import TokenBatch
     from ..verl.losses import last_modulation
-    from ..verl.parts import global_totals, closed_form, row_advantages
+    from ..verl.parts import closed_form, global_totals, row_advantages
 
     base = loss_mode.split(":")[1] if ":" in loss_mode else "vanilla"
     mask = batch.mask[rows]

@@ -174,9 +174,9 @@ def last_modulation() -> tuple[Tensor, Tensor | None]:
 from .parts import (  # noqa: E402,F401
     DFPOForm,
     MiniBatchForm,
-    global_totals,
     closed_form,
     dfpo_delta,
+    global_totals,
     row_advantages,
 )
 
