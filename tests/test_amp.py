@@ -77,7 +77,8 @@ def test_autocast_within_bf16_bounds_of_float32(case):
     for n in OBJECTIVES:
         ref = read_step(case.model, case.ro, case.adv, objectives.get(n), amp=False)
         got = read_step(case.model, case.ro, case.adv, objectives.get(n), amp=True)
-        gap = amp_gap(ref.logps, got.logps, ref.W, got.W, ref.grad, got.grad, mask)
+        gap = amp_gap(ref.logps, got.logps, ref_W=ref.W, W=got.W, ref_grad=ref.grad, grad=got.grad,
+                      mask=mask)
         assert not amp_failures(gap), (n, gap)
         assert gap["logp_max"] > 1e-4, gap  # bf16 rounding is visible: autocast was on
 

@@ -72,7 +72,8 @@ def test_context_logprobs_equal_the_full_log_softmax(step):
     ref = before[sn.rep, sn.position]  # (N, V) from the model's own (B, T, V) logits
     for chunk in (1, 3, None):
         with torch.no_grad():
-            parts = list(context_logprobs(model, *args, sn.rep, sn.position, 0.8, chunk=chunk))
+            parts = list(context_logprobs(model, *args, row=sn.rep, pos=sn.position,
+                                         temperature=0.8, chunk=chunk))
         assert [s for s, _ in parts] == list(range(0, sn.n, chunk or sn.n))
         got = torch.cat([p for _, p in parts])  # float32 matmuls of other shapes: rounding only
         assert_close_f32(got, ref, msg=f"chunk {chunk}")

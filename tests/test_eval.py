@@ -95,12 +95,14 @@ def test_greedy_accuracy_matches_plain_greedy_decoding():
     task = ArithmeticTask()
     model, tok = load_policy(task=task)
     ps = eval_problems(task, 12)
-    got = evaluate_heldout(model, tok, task, ps, 1.0, task.max_new_tokens, seed=0)
+    got = evaluate_heldout(model, tok, task, ps, temperature=1.0,
+                           max_new_tokens=task.max_new_tokens, seed=0)
     ref = sum(task.is_correct(p, _greedy(model, tok, p.prompt, task.max_new_tokens)) for p in ps)
     assert got["eval_accuracy_greedy"] == ref / len(ps)
-    again = evaluate_heldout(model, tok, task, ps, 1.0, task.max_new_tokens, seed=0)
+    again = evaluate_heldout(model, tok, task, ps, temperature=1.0,
+                             max_new_tokens=task.max_new_tokens, seed=0)
     assert again == got and 0 <= got["eval_accuracy"] <= 1
-    assert evaluate_heldout(model, tok, task, [], 1.0, 8, seed=0) == {}
+    assert evaluate_heldout(model, tok, task, [], temperature=1.0, max_new_tokens=8, seed=0) == {}
 
 
 def _metrics(path) -> pd.DataFrame:

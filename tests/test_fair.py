@@ -33,7 +33,7 @@ def off_policy():
     task = ArithmeticTask()
     model, tok = load_policy(task=task)
     ro = generate(model, tok, task.problems(8, seed=1), 8, task.max_new_tokens, 1.0,
-                  torch.Generator().manual_seed(1), task=task)
+                  generator=torch.Generator().manual_seed(1), task=task)
     adv = advantages(ro.rewards, ro.group)
     first, second = (ro.group < 4).nonzero()[:, 0], (ro.group >= 4).nonzero()[:, 0]
     stepped = copy.deepcopy(model)

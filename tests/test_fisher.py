@@ -33,18 +33,21 @@ def _micro(seed=0):
 
 
 def _layout():
-    """Two rows, the second left-padded: prompts (2, 4), responses (2, 3); contexts (K=4)."""
+    """Two rows, the second left-padded: prompts (2, 4), responses (2, 3); contexts (K=4) as
+    the keywords row, pos."""
     prompt = torch.tensor([[2, 3, 4, 5], [0, 0, 6, 7]])
     pmask = prompt != 0
     resp = torch.tensor([[8, 9, 10], [3, 5, 1]])
     rmask = torch.ones_like(resp, dtype=torch.bool)
-    return prompt, pmask, resp, rmask, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 2, 1, 2])
+    where = {"row": torch.tensor([0, 0, 1, 1]), "pos": torch.tensor([0, 2, 1, 2])}
+    return (prompt, pmask, resp, rmask), where
 
 
 @pytest.fixture(scope="module")
 def micro():
     m = _micro()
-    f = context_logprobs_fn(m, *_layout())
+    inputs, where = _layout()
+    f = context_logprobs_fn(m, *inputs, **where)
     params = {n: p.detach() for n, p in m.named_parameters()}
     g = torch.Generator().manual_seed(1)
     delta = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
@@ -86,9 +89,9 @@ def test_float64_meter_matches_the_float32_model():
     for mod in m32.modules():  # undo the meter's instance patches
         mod.__dict__.pop("forward", None)
     m64 = float64_meter(m32)
-    lay = _layout()
-    a = context_logprobs_fn(m32, *lay)({n: p for n, p in m32.named_parameters()})
-    b = context_logprobs_fn(m64, *lay)({n: p for n, p in m64.named_parameters()})
+    inputs, where = _layout()
+    a = context_logprobs_fn(m32, *inputs, **where)({n: p for n, p in m32.named_parameters()})
+    b = context_logprobs_fn(m64, *inputs, **where)({n: p for n, p in m64.named_parameters()})
     assert b.dtype == torch.float64 and torch.isfinite(b).all()
     assert_close_f32(a, b, msg="float32 vs float64 context log-probs")
 

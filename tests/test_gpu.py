@@ -48,8 +48,8 @@ def test_bf16_path_within_bounds_on_cuda(case):
         ref = read_step(case.model, case.ro, case.adv, objectives.get(n), amp=False)
         got = read_step(case.model, case.ro, case.adv, objectives.get(n), amp=True)
         assert got.closed_gap <= W_EXACT_RTOL, (n, got.closed_gap)
-        gap = amp_gap(ref.logps, got.logps, ref.W, got.W, ref.grad, got.grad,
-                      case.ro.response_mask)
+        gap = amp_gap(ref.logps, got.logps, ref_W=ref.W, W=got.W, ref_grad=ref.grad, grad=got.grad,
+                      mask=case.ro.response_mask)
         assert not amp_failures(gap), (n, gap)
 
 

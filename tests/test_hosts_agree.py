@@ -47,7 +47,7 @@ def setup(tmp_path_factory):
     common = max(set(lengths), key=lengths.count)
     chosen = [p for p, n in zip(problems, lengths) if n == common][:3]
     g = torch.Generator().manual_seed(1)
-    ro = generate(model, tok, chosen, G, 24, 1.0, g)
+    ro = generate(model, tok, chosen, G, 24, 1.0, generator=g)
     assert bool(ro.prompt_mask.all()), "the fixture needs prompts without padding"
     # unequal lengths (the tiny policy runs to the cap): cut row i after 24 − 3·(i mod 5) tokens
     for i in range(ro.response_ids.shape[0]):

@@ -9,7 +9,9 @@ functions included):
 - an integration runs the instruments and imports no measuring module itself;
 - gradlab/loop is one sub-package per concern with imports flowing one way
   (`gradlab.loop.LAYERS`: a module imports from its own package and the ones before it);
-- a loop module imports only from its file (no import hook).
+- a loop module imports only from its file (no import hook);
+- no function takes 7 or more positional parameters (self/cls not counted): past the first few,
+  parameters are keyword-only (after a `*`) or travel together in a dataclass.
 
 Run as a script (`python tests/test_layout.py`) it prints every finding at once."""
 
@@ -317,6 +319,48 @@ def test_the_long_help_of_a_command_finds_its_module(cmd, capsys):
     assert importlib.util.find_spec("gradlab.check.__main__") is not None
 
 
+MAX_POSITIONAL = 6
+# functions in files that are being reworked elsewhere: each still takes 7+ positional
+# parameters and is to be brought under MAX_POSITIONAL with its callers there
+LONG_SIGNATURES_ALLOWED = frozenset({
+    "gradlab.loop.update.step._accumulate",
+    "analyses.benchmarks.bench_probes.step",
+    "analyses.benchmarks.bench_scale.fake_rollout",
+    "analyses.benchmarks.bench_scale.memory_child",
+})
+
+
+def long_signatures(files: dict[str, Path] | None = None) -> list[str]:
+    """'module.function (n): p1, p2, …' for every function (methods and nested ones included)
+    taking more than MAX_POSITIONAL positional parameters, self/cls not counted."""
+    out = []
+    for name, path in (files or modules()).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            params = [a.arg for a in node.args.posonlyargs + node.args.args]
+            if params[:1] in (["self"], ["cls"]):
+                params = params[1:]
+            where = f"{name}.{node.name}"
+            if len(params) > MAX_POSITIONAL and where not in LONG_SIGNATURES_ALLOWED:
+                out.append(f"{where} ({len(params)}): {', '.join(params)}")
+    return out
+
+
+def test_no_function_takes_seven_positional_parameters():
+    assert long_signatures() == []
+
+
+def test_a_long_signature_is_caught(tmp_path):
+    files = _tree(tmp_path, {"gradlab/a/b.py": (
+        "def f(a, b, c, d, e, g, h=1):\n    pass\n\n\n"
+        "def ok(a, b, c, d, e, g, *, h=1):\n    pass\n\n\n"
+        "class C:\n    def m(self, a, b, c, d, e, g):\n        pass\n\n"
+        "    def n(self, a, b, c, d, e, g, h):\n        pass\n")})
+    assert long_signatures(files) == ["gradlab.a.b.f (7): a, b, c, d, e, g, h",
+                                      "gradlab.a.b.n (7): a, b, c, d, e, g, h"]
+
+
 def test_package_data_found_from_the_sub_packages():
     """Paths to gradlab/data come from each module's own file: a deeper folder must not lose
     them (without the shipped policy every run without --model is refused)."""
@@ -333,5 +377,6 @@ if __name__ == "__main__":
                          ("private names across packages", private_imports()),
                          ("probes/instruments → loop", loop_imports_below_the_loop()),
                          ("integrations → measuring modules", measuring_imports_in_integrations()),
-                         ("loop layers", upward_imports())):
+                         ("loop layers", upward_imports()),
+                         ("7+ positional parameters", long_signatures())):
         print(f"{title}: {len(found)}", *found, sep="\n  ")

@@ -69,7 +69,7 @@ def _recompute(model, tok, ro, c: int, p: int, t: int, key: torch.Tensor, T: int
     pre = torch.zeros(1, T, dtype=torch.long)
     pre[0, :t] = ro.response_ids[c, :t]
     ex = ro.response_ids[p, t].view(1) if alternative else None
-    ref = decode(model, feed, fm, positions(fm), None, fm[:, :0], feed[:, :0],
+    ref = decode(model, feed, fm, positions(fm), cache=None, live=fm[:, :0], cpos=feed[:, :0],
                  start=torch.tensor([t]), keys=key.view(1),
                  prefix=(pre, torch.zeros(1, T), torch.zeros(1, T)), exclude=ex,
                  dec=Decoding(T, 1.0, tuple(stops), len(tok)))

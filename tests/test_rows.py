@@ -209,7 +209,7 @@ def test_figure2_group_subset_keeps_every_row_field():
     model, tok = load_policy()
     task = ArithmeticTask()
     ro = generate(model, tok, task.problems(3, seed=0), 4, task.max_new_tokens, 1.0,
-                  torch.Generator().manual_seed(0), task=task)
+                  generator=torch.Generator().manual_seed(0), task=task)
     rows = torch.tensor([8, 9, 10, 11, 4, 5, 6, 7])  # groups 2 and 1
     adv = advantages(ro.rewards, ro.group)
     g = torch.Generator().manual_seed(3)
@@ -218,7 +218,7 @@ def test_figure2_group_subset_keeps_every_row_field():
         ref_logps=ro.old_logps[rows] - 0.1, repair_of=torch.tensor([-1, 0, -1, -1, -1, -1, 4, -1]))
     panels = [("grpo", "grpo", {"norm": "const", "beta": 0.1}), ("ibpo", "ibpo", {})]
     Ws = {t: torch.randn(lp.shape, generator=g) for t, _, _ in panels}
-    df = figure2.token_frame(tok, ro, rows, batch, Ws, {t: 0.0 for t, _, _ in panels}, 2,
+    df = figure2.token_frame(tok, ro, rows, batch, Ws=Ws, clips={t: 0.0 for t, _, _ in panels}, g=2,
                              panels=panels)
     keep = [0, 1, 2, 3]
     own = TokenBatch(*(batch_field[keep] for batch_field in (

@@ -63,7 +63,8 @@ def test_lengths_vary_inside_a_group_and_with_the_term_count():
     assert (SCAFFOLD_POLICY_DIR / "model.safetensors").is_file()  # shipped: no warm start here
     model, tok = load_policy(task=task)
     g = torch.Generator().manual_seed(0)
-    ro = generate(model, tok, task.problems(16, seed=2), 8, task.max_new_tokens, 1.0, g, task=task)
+    ro = generate(model, tok, task.problems(16, seed=2), 8, task.max_new_tokens, 1.0, generator=g,
+                  task=task)
     L = ro.response_mask.sum(-1).float()
     sd = torch.stack([L[ro.group == k].std() for k in range(16)])
     assert (sd > 0).sum() >= 4 and sd.max() > 2  # groups hold responses of different lengths

@@ -72,7 +72,7 @@ def test_token_rows_against_autograd_and_log_probs():
     b = random_batch(n_groups=2, G=4, T=8, seed=3, off_policy=0.5)
     obj = objectives.get("grpo", eps=0.05)  # tight clip: some tokens clipped
     W = measure_modulation(obj.loss, b)
-    cols = pd.DataFrame(token_rows(b, W, obj))
+    cols = pd.DataFrame(token_rows(b, W, objective=obj))
     m = b.mask
     d = (b.logps - b.old_logps) * m
     assert np.allclose(cols["r"], torch.exp(d)[m].numpy())

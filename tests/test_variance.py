@@ -120,8 +120,8 @@ def test_recipe_batch_zero_by_hand(tiny):
     model.train()
     from gradlab.loop.setup.heldout import TrainSplit
 
-    ro = draw("independent", model, tok, task, TrainSplit(task).problems(2, seed=0), 4, 0, 0,
-              task.max_new_tokens, 1.0)
+    ro = draw("independent", model, tok, task, TrainSplit(task).problems(2, seed=0), G=4, b=0,
+              seed=0, max_new_tokens=task.max_new_tokens, temperature=1.0)
     lp = token_logps(model, ro.prompt_ids, ro.prompt_mask, ro.response_ids, ro.response_mask)
     adv = advantages(ro.rewards, ro.group)
     N = len(ro.texts)

@@ -17,7 +17,8 @@ def traces_of(batch, names=("grpo", "gspo")) -> tuple[pd.DataFrame, dict]:
     for n in names:
         obj = objectives.get(n)
         Ws[n] = measure_modulation(obj.loss, batch)
-        d = pd.DataFrame(token_rows(batch, Ws[n], obj, row_in_group=row_in_group(batch.group)))
+        d = pd.DataFrame(token_rows(batch, Ws[n], objective=obj,
+                                    row_in_group=row_in_group(batch.group)))
         d["objective"], d["step"], d["opt_step"], d["text"] = n, 0, 0, "x"
         frames.append(d)
     return pd.concat(frames, ignore_index=True), Ws

@@ -95,7 +95,7 @@ def _wide(long: pd.DataFrame, table: str, G: int | None = None) -> pd.DataFrame:
     return w[["seed", "objective", *METRICS]]
 
 
-def table2(root: Path, fig3: Path, seeds, size: dict, eval_n: int, ledger: list,
+def table2(root: Path, fig3: Path, *, seeds, size: dict, eval_n: int, ledger: list,
            reuse: bool) -> pd.DataFrame:
     """Train (or reuse) both tandems; per-seed rows of every Table 2 objective."""
     run_seeds(fig3, seeds, ledger=ledger, reuse_any_code=reuse, objectives=figure3.OBJECTIVES, **size)
@@ -110,7 +110,7 @@ def table2_rows(wide: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
-def table3(root: Path, fig3: Path, seeds, size: dict, eval_n: int, Gs, ledger: list,
+def table3(root: Path, fig3: Path, *, seeds, size: dict, eval_n: int, Gs, ledger: list,
            reuse: bool) -> dict:
     """{G: per-seed rows of dfpo-min and gspo}; G = size["G"] is the Figure 3 tandem."""
     wides = {}
@@ -184,7 +184,7 @@ def fig3_shared(seeds: pd.DataFrame, fig3_seeds: Path, G2: int) -> bool:
         (pub.loc[mine.index].to_numpy() == mine.to_numpy()).all())
 
 
-def markdown(w2: pd.DataFrame | None, w3: dict, src: str, footer: str, exp: str,
+def markdown(w2: pd.DataFrame | None, w3: dict, src: str, *, footer: str, exp: str,
              G2: int, shared: bool = True) -> list[str]:
     """The tables' markdown lines (Table 2 if w2, Table 3 if w3), a note on where the
     comparisons live (shared: the Figure 3 tandem's are figure3's rows), and the footer."""
@@ -244,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds, ledger, reuse = range(a.seeds), [], a.reuse_any_code
     t0, prov, w2, w3 = time.time(), provenance("analyses.figures.ablations", argv), None, {}
     if a.only in (None, "table2"):
-        w2 = table2(runs / "table2", fig3, seeds, size, eval_n, ledger, reuse)
+        w2 = table2(runs / "table2", fig3, seeds=seeds, size=size, eval_n=eval_n, ledger=ledger,
+                    reuse=reuse)
     if a.only in (None, "table3"):
-        w3 = table3(runs / "table3", fig3, seeds, size, eval_n, GROUP_SIZES, ledger, reuse)
+        w3 = table3(runs / "table3", fig3, seeds=seeds, size=size, eval_n=eval_n, Gs=GROUP_SIZES,
+                    ledger=ledger, reuse=reuse)
     src = ", ".join(sorted(set(pd.concat([w for w in [w2, *w3.values()] if w is not None])
                                ["heldout_source"])))
     shared = publish(w2, w3, out, a.task, size["G"])
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{size['minibatches']} minibatches ({size['steps'] * size['minibatches']} optimizer "
               f"steps per row), held-out n={eval_n}; {seconds:.0f} s; {stamp(prov)}"
               + ("; finished runs reused whatever code made them (--reuse-any-code)." if reuse else "."))
-    md = markdown(w2, w3, src, footer, EXPERIMENT + sfx, size["G"], shared)
+    md = markdown(w2, w3, src, footer=footer, exp=EXPERIMENT + sfx, G2=size["G"], shared=shared)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablations.md").write_text("\n".join(md) + "\n")
     longs = ([] if w2 is None else [_long(w2, "table2", size["G"], TABLE2)]) + [
@@ -293,8 +295,9 @@ def reanalyse(out: Path, argv: list[str] | None) -> int:
               f"{size['minibatches']} minibatches ({size['steps'] * size['minibatches']} optimizer "
               f"steps per row), held-out n={meta['eval_n']}; runs made by `{made['command']}` at "
               f"commit {made['commit'][:10]} in {meta['seconds']} s ({when}); tables re-made by {stamp(prov)}.")
-    md = markdown(w2, w3, src, footer, EXPERIMENT + ("" if task == "arithmetic" else f"-{task}"),
-                  size["G"], shared)
+    md = markdown(w2, w3, src, footer=footer,
+                  exp=EXPERIMENT + ("" if task == "arithmetic" else f"-{task}"),
+                  G2=size["G"], shared=shared)
     (out / "ablations.md").write_text("\n".join(md) + "\n")
     meta.update(provenance=prov, runs_made_by=made, heldout_source=src,
                 run_provenance=meta.get("run_provenance"))

@@ -55,16 +55,16 @@ PANELS = [  # (title, objective name, parameters)
 ]
 
 
-def off_policy_step(model, tok, task, prompts: int, G: int, seed: int, lr: float):
+def off_policy_step(model, tok, task, prompts: int, *, G: int, seed: int, lr: float):
     """Rollout → step on minibatch 1 → (stepped model, rollout, advantages, rows of minibatch 2)."""
     problems = task.problems(prompts, seed=seed)
     g = torch.Generator().manual_seed(seed)
-    ro = generate(model, tok, problems, G, task.max_new_tokens, 1.0, g, task=task)
+    ro = generate(model, tok, problems, G, task.max_new_tokens, 1.0, generator=g, task=task)
     adv = advantages(ro.rewards, ro.group)
     half = max(1, prompts // 2)
     first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
     stepped = copy.deepcopy(model)
-    optimizer_step_on(stepped, ro, first, adv, objectives.get("grpo", norm="const").loss, lr)
+    optimizer_step_on(stepped, ro, first, adv, objectives.get("grpo", norm="const").loss, lr=lr)
     return stepped, ro, adv, second
 
 
@@ -97,7 +97,7 @@ def measure_panels(stepped, ro, rows: torch.Tensor, adv: torch.Tensor, panels=PA
     return Ws, clips, batch
 
 
-def token_frame(tok, ro, rows, batch, Ws: dict, clips: dict, g: int,
+def token_frame(tok, ro, rows, batch, *, Ws: dict, clips: dict, g: int,
                 panels=PANELS) -> pd.DataFrame:
     """The figure2.csv frame (module docstring) of group label g of `batch`; attrs carry ρ of
     the group per panel and the prompt."""
@@ -127,17 +127,17 @@ def token_frame(tok, ro, rows, batch, Ws: dict, clips: dict, g: int,
     return df
 
 
-def measure(model, tok, task, prompts: int = 8, G: int = 4, seed: int = 0,
+def measure(model, tok, task, prompts: int = 8, *, G: int = 4, seed: int = 0,
             lr: float = 2e-4) -> pd.DataFrame:
     """Measured W of every panel's loss on one real off-policy minibatch, for one group.
 
     Returns the figure2.csv frame (module docstring); W is float32 from the hook, per unit
     log-prob, in each loss's own scale (1/B factors included, B = the minibatch's rows).
     """
-    stepped, ro, adv, rows = off_policy_step(model, tok, task, prompts, G, seed, lr)
+    stepped, ro, adv, rows = off_policy_step(model, tok, task, prompts, G=G, seed=seed, lr=lr)
     Ws, clips, batch = measure_panels(stepped, ro, rows, adv)
     g = pick_group(Ws[PANELS[0][0]], batch, ro, rows)
-    return token_frame(tok, ro, rows, batch, Ws, clips, g)
+    return token_frame(tok, ro, rows, batch, Ws=Ws, clips=clips, g=g)
 
 
 def _char(tok, tid: int) -> str:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(1)
     t0 = time.time()
     model, tok = load_policy()
-    df = measure(model, tok, ArithmeticTask(), a.prompts, a.G, a.seed, a.lr)
+    df = measure(model, tok, ArithmeticTask(), a.prompts, G=a.G, seed=a.seed, lr=a.lr)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out.with_suffix(".csv"), index=False)

@@ -140,7 +140,7 @@ def publish(wide: pd.DataFrame, out: Path, task: str) -> pd.DataFrame:
     return rows
 
 
-def make(runs: Path, out: Path, seeds, size: dict, smooth: int = 1,
+def make(runs: Path, out: Path, *, seeds, size: dict, smooth: int = 1,
          ledger: list | None = None, reuse_any_code: bool = False) -> pd.DataFrame:
     """Train (or reuse) the seeds, draw the figures, write the CSV; returns the tidy table."""
     run_seeds(runs, seeds, ledger=ledger, reuse_any_code=reuse_any_code, objectives=OBJECTIVES,
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = Path(a.runs or ROOT / ("runs/figure3-quick" if a.quick else "runs/figure3"))
     out = Path(a.out or (runs if a.quick else FIGURES))
     t0, prov, ledger = time.time(), provenance("analyses.figures.figure3", argv), []
-    make(runs, out, range(a.seeds), size, smooth=1 if a.quick else 3, ledger=ledger,
+    make(runs, out, seeds=range(a.seeds), size=size, smooth=1 if a.quick else 3, ledger=ledger,
          reuse_any_code=a.reuse_any_code)
     wide = per_seed(runs, range(a.seeds), OBJECTIVES, eval_n, exact_n=32 if a.quick else None)
     table = paired_table(wide, LABELS)

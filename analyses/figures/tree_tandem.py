@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds_df = seeds_df[comparisons.SEED_KEYS + [c for c in wide.columns if c not in comparisons.SEED_KEYS]]
     rows = comparisons.compare(seeds_df, pairs(seeds_df))
     seconds = time.time() - t0
-    write_outputs(out, seeds_df, rows, prov, ledger, seconds, a)
+    write_outputs(out, seeds_df, rows, prov=prov, ledger=ledger, seconds=seconds, a=a)
     return 0
 
 
@@ -293,7 +293,7 @@ def unrecorded_runs(seeds_df: pd.DataFrame, made_by: dict,
             for t, lay, k in keys.itertuples(index=False)]
 
 
-def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, prov: dict,
+def write_outputs(out: Path, seeds_df: pd.DataFrame, rows: pd.DataFrame, *, prov: dict,
                   ledger: list, seconds: float, a) -> None:
     """NAME.{md,csv,json,png}, NAME_seeds.csv and the comparisons.csv rows (NAME: --name)."""
     name = a.name

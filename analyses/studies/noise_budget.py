@@ -63,12 +63,13 @@ QUICK_SCHEMES = [("sampled 16×1", "sampled", 16, 1), ("expected 16", "expected"
                  ("expected all", "expected", "all", 1)]
 
 
-def score(model, tok, task, kind: str, n, k: int, seed: int) -> float:
+def score(model, tok, task, kind: str, *, n, k: int, seed: int) -> float:
     """One scheme's score of one policy at one evaluation seed (0..1)."""
     probs = heldout_draw(task, n, seed + 1)  # seed 0 of the loop's set is one draw among many
     if kind == "expected":
         return float(expected_accuracy(model, tok, task, probs).mean())
-    return float(sampled_accuracy(model, tok, task, probs, k, 1.0, seed + 1).mean())
+    return float(sampled_accuracy(model, tok, task, probs, samples=k, temperature=1.0,
+                                  seed=seed + 1).mean())
 
 
 def measure(runs: Path, task: str, seeds, schemes, eval_seeds: int, eval_ckpts: int) -> pd.DataFrame:
@@ -82,7 +83,8 @@ def measure(runs: Path, task: str, seeds, schemes, eval_seeds: int, eval_ckpts: 
                 reps = range(eval_seeds) if noisy and n != "all" else range(1)
                 if n == "all" or noisy or name == schemes[0][0]:
                     rows += [{"task": task, "scheme": name, "seed": k, "objective": obj,
-                              "eval_seed": e, "value": score(model, tok, t, kind, n, kk, e)}
+                              "eval_seed": e,
+                              "value": score(model, tok, t, kind, n=n, k=kk, seed=e)}
                              for e in reps]
     return pd.DataFrame(rows)
 

@@ -366,7 +366,7 @@ def _scenario(r) -> dict:
     return {**out, "undefined": why} if why else out
 
 
-def write_baseline(path: Path, base: dict, results: list, now: dict, tol: dict, partial: bool,
+def write_baseline(path: Path, base: dict, results: list, *, now: dict, tol: dict, partial: bool,
                    model_setup: dict, seeds) -> int:
     """Write the baseline (merged into `base` when only some scenarios ran); refused (1) when a
     scenario violates the invariants."""

@@ -245,8 +245,8 @@ def model_steps() -> ModelSteps:
     task = ArithmeticTask()
     problems = task.problems(MODEL["prompts"], seed=MODEL["problem_seed"])
     g = torch.Generator().manual_seed(MODEL["sample_seed"])
-    ro = generate(model, tok, problems, MODEL["G"], task.max_new_tokens, tr["temperature"], g,
-                  task=task)
+    ro = generate(model, tok, problems, MODEL["G"], task.max_new_tokens, tr["temperature"],
+                  generator=g, task=task)
     adv = advantages(ro.rewards, ro.group, scale=tr["adv_scale"])
     half = MODEL["prompts"] // 2
     first, second = (ro.group < half).nonzero()[:, 0], (ro.group >= half).nonzero()[:, 0]
@@ -427,7 +427,8 @@ def check_scenarios(scenarios: list[Scenario], base: dict, update: Path | None =
     print(render(results, scenarios))
     print("".join(f"note: {n}\n" for n in notes) + "".join(f"FAIL: {m}\n" for m in msgs), end="")
     if update:
-        return cb.write_baseline(update, base, results, now, tol, partial, MODEL, SEEDS)
+        return cb.write_baseline(update, base, results, now=now, tol=tol, partial=partial,
+                           model_setup=MODEL, seeds=SEEDS)
     bad = [r.key for r in results if r.problems]
     if bad or msgs:
         print(f"gradlab check: {len(bad)} scenario(s) failed{': ' if bad else ''}{', '.join(bad)}")

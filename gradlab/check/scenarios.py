@@ -36,7 +36,7 @@ def _history_values(tokens: Tensor, mask: Tensor, gen: torch.Generator, scale: f
 
 
 def random_batch(
-    n_groups: int = 3, G: int = 4, T: int = 12, prefix: int = 3, vocab: int = 3,
+    n_groups: int = 3, G: int = 4, T: int = 12, *, prefix: int = 3, vocab: int = 3,
     seed: int = 0, off_policy: float = 0.3, dtype=torch.float64, contiguous: bool = False,
     equal_lengths: bool = False, rewards: Tensor | None = None, min_len: int | None = None,
 ) -> TokenBatch:
@@ -128,7 +128,7 @@ def measure_on_model(model, rollout, rows: Tensor, adv: Tensor,
 
 
 def optimizer_step_on(model, rollout, rows: Tensor, adv: Tensor,
-                      loss_fn: Callable[[TokenBatch], Tensor], lr: float = 2e-4,
+                      loss_fn: Callable[[TokenBatch], Tensor], *, lr: float = 2e-4,
                       temperature: float = 1.0) -> None:
     """One AdamW step (lr, as the loop's default) of `model` on `rows`: makes later minibatches
     of the same rollout off-policy, exactly as the training loop's 2nd+ minibatches are."""

@@ -385,8 +385,8 @@ def run_eval(a: argparse.Namespace) -> int:
     targets(a.path, a.objective, a.task)  # torch-free: a wrong folder or option at once
 
     try:
-        df = evaluate_path(a.path, problems, a.samples, a.seed, a.objective, a.task,
-                           a.temperature)
+        df = evaluate_path(a.path, problems, samples=a.samples, seed=a.seed, objective=a.objective,
+                           task=a.task, temperature=a.temperature)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     t = df.assign(score=(100 * df["value"]).map("{:.1f}".format) + " ± " +

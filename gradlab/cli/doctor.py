@@ -108,7 +108,7 @@ def tiny_case(device: str = "cpu", prompts: int = 4, G: int = 4, seed: int = 0,
     return Case(model.to(device), ro.to(device), advantages(ro.rewards, ro.group).to(device))
 
 
-def read_step(model: torch.nn.Module, ro, adv: torch.Tensor, objective, amp: bool,
+def read_step(model: torch.nn.Module, ro, adv: torch.Tensor, objective, *, amp: bool,
               rows: torch.Tensor | None = None, norms: tuple[int, int, int] | None = None,
               grad_scale: float = 1.0) -> Reading:
     """Forward (under bf16 autocast when `amp`), the objective's loss, backward, on rollout rows
@@ -140,7 +140,7 @@ def read_step(model: torch.nn.Module, ro, adv: torch.Tensor, objective, amp: boo
 
 def check_exact(case: Case, amp: bool) -> tuple[Check, dict[str, Reading]]:
     """Hook W = closed form for each objective in OBJECTIVES (fp32 or under autocast)."""
-    reads = {n: read_step(case.model, case.ro, case.adv, objectives.get(n), amp)
+    reads = {n: read_step(case.model, case.ro, case.adv, objectives.get(n), amp=amp)
              for n in OBJECTIVES}
     worst = max(r.closed_gap for r in reads.values())
     name = "W exact under bf16 autocast" if amp else "W exact (float32)"
@@ -151,8 +151,8 @@ def check_exact(case: Case, amp: bool) -> tuple[Check, dict[str, Reading]]:
 
 def check_amp(ref: dict[str, Reading], amp: dict[str, Reading], mask: torch.Tensor) -> Check:
     """The autocast readings within the AMP_* bounds of the float32 ones."""
-    gaps = {n: amp_gap(ref[n].logps, amp[n].logps, ref[n].W, amp[n].W, ref[n].grad,
-                       amp[n].grad, mask) for n in ref}
+    gaps = {n: amp_gap(ref[n].logps, amp[n].logps, ref_W=ref[n].W, W=amp[n].W, ref_grad=ref[n].grad,
+                       grad=amp[n].grad, mask=mask) for n in ref}
     bad = [f"{n}: {b}" for n, gap in gaps.items() for b in amp_failures(gap)]
     worst = {k: max(g[k] for g in gaps.values()) for k in ("logp_max", "logp_mean", "w_l1")}
     worst["grad_cos"] = min(g["grad_cos"] for g in gaps.values())
@@ -168,7 +168,7 @@ def check_cpu_equals(device: str, ref: dict[str, Reading]) -> Check:
     cpu = tiny_case("cpu")
     worst = 0.0
     for n, r in ref.items():
-        c = read_step(cpu.model, cpu.ro, cpu.adv, objectives.get(n), False)
+        c = read_step(cpu.model, cpu.ro, cpu.adv, objectives.get(n), amp=False)
         w = float((r.W.cpu() - c.W).abs().sum() / c.W.abs().sum().clamp(min=1e-30))
         g = float((r.grad.cpu() - c.grad).norm() / c.grad.norm().clamp(min=1e-30))
         worst = max(worst, w, g)

@@ -96,7 +96,8 @@ def branch_tokens(tokens: Tensor, mask: Tensor, group: Tensor) -> Tensor:
 
 
 def process_advantages(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor,
-                       form: str = "ga+la", reweight: str = "none", la_weight: float = 1.0) -> Tensor:
+                       form: str = "ga+la", reweight: str = "none", *,
+                       la_weight: float = 1.0) -> Tensor:
     """Trie token advantages (docs/concepts/ibpo.md#reading-1-values-on-the-groups-prefix-trie, *ours*), (B, T) in raw reward units, 0 where masked.
 
     form: "ga" (V(c) − V(root)), "la" (V(c) − V(p)), "ga+la", "togo" (R_i − V(p));

@@ -96,7 +96,7 @@ def _centred_advantages(adv: Tensor, sh: Tensor, idx: Tensor, n: int, dtype) -> 
     return torch.where((hi == lo)[idx], 0, av - mean[idx])
 
 
-def transform_vjp(v: Tensor, adv: Tensor, node: Tensor, n: int, w: Tensor, transform: str,
+def transform_vjp(v: Tensor, adv: Tensor, node: Tensor, n: int, *, w: Tensor, transform: str,
               factor: float = 0.5) -> Tensor:
     """Closed-form vector–Jacobian product of `transform_weights` w.r.t. w (independent of
     autograd): (B, T) = Σ over w̃ of v · ∂w̃/∂w, for the no-stop-grad ablation's W."""

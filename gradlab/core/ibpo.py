@@ -35,7 +35,7 @@ class IBPO(Objective):
 
     name = "ibpo"
 
-    def __init__(self, form: str = "ga+la", reweight: str = "none", lam: float = 0.5,
+    def __init__(self, form: str = "ga+la", reweight: str = "none", *, lam: float = 0.5,
                  base: str = "grpo", eps=None, norm: str = "token", max_len: int | None = None,
                  scale: str | None = None, beta: float = 0.0, la_weight: float = 1.0) -> None:
         super().__init__(beta)

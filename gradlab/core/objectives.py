@@ -61,7 +61,7 @@ class DFPO(Objective):
 
     name = "dfpo"
 
-    def __init__(self, base: str = "gspo", transform: str = "min", scope: str = "shared",
+    def __init__(self, base: str = "gspo", transform: str = "min", *, scope: str = "shared",
                  nodes: str = "prefix", stop_grad: bool = True, factor: float = 0.5,
                  eps=None, beta: float = 0.0, clip: str = "base") -> None:
         super().__init__(beta)
@@ -128,7 +128,8 @@ class DFPO(Objective):
         # (w_j = (1/B) s_j/T_j 1[active] is constant in t, ∂s_j/∂l_{j,u} = s_j/T_j).
         v = adv * _f(batch.logps) * batch.mask  # cotangent of w̃
         node, n = node_map(batch, self.scope, self.nodes)
-        adj = transform_vjp(v, batch.advantages, node, n, w, self.transform, self.factor)  # (B, T) = Σ over w̃ of v·∂w̃/∂w
+        adj = transform_vjp(v, batch.advantages, node, n, w=w, transform=self.transform,
+                            factor=self.factor)  # (B, T) = Σ over w̃ of v·∂w̃/∂w
         T_i = batch.mask.sum(-1).clamp(min=1).to(W.dtype)
         w_row = (w * batch.mask).sum(-1) / T_i  # (B,) the row's constant w_j
         per_row = adj.sum(-1) * w_row / T_i  # (B,)

@@ -31,9 +31,9 @@ class Policy:
     `t_max` tokens (None: whole), prompts left-padded as the host's forward takes them.
     token_logps(model, *inputs, temperature) -> (k, t) log π of the sampled tokens, with
     gradient: the host's own forward, the one its loss differentiates (the learning tax's ∇l).
-    context_logprobs(model, *inputs, row, pos, temperature) yields (start, (c, V)) next-token
+    context_logprobs(model, *inputs, *, row, pos, temperature) yields (start, (c, V)) next-token
     log-softmax at chosen contexts (`gradlab.loop.numerics.logprobs.context_logprobs`);
-    context_logprobs_fn(model, *inputs, row, pos, temperature) -> f(params) -> (c, V), the same
+    context_logprobs_fn(model, *inputs, *, row, pos, temperature) -> f(params) -> (c, V), the same
     as a function of the parameters (Prop. 3.1's forward-mode pass).
     temperature: the loss's. chunk: rows per extra forward (None: all at once).
     autocast: the host's precision context around each forward."""
@@ -144,7 +144,8 @@ def _node_chunks(policy: Policy, sn: SharedNodes):
     for c in _chunks(reps.numel(), policy):
         sel = ((which >= c) & (which < c + size)).nonzero().squeeze(-1)
         it = policy.context_logprobs(policy.model, *policy.inputs(reps[c: c + size], t_max),
-                                     which[sel] - c, sn.position[sel], policy.temperature)
+                                     row=which[sel] - c, pos=sn.position[sel],
+                                     temperature=policy.temperature)
         while True:
             with policy.autocast():
                 part = next(it, None)
@@ -197,7 +198,8 @@ def fisher_at_nodes(policy: Policy, sn: SharedNodes, before: dict[str, torch.Ten
     kept = kl_nodes(sn.n, 1, cap).to(sn.rep.device)  # (K,) node indices
     reps = torch.unique(sn.rep[kept])
     t_max = int(sn.position[kept].max()) + 1
-    f = policy.context_logprobs_fn(meter, *policy.inputs(reps, t_max), torch.searchsorted(reps, sn.rep[kept]),
-                            sn.position[kept], policy.temperature)
+    f = policy.context_logprobs_fn(meter, *policy.inputs(reps, t_max),
+                                   row=torch.searchsorted(reps, sn.rep[kept]),
+                                   pos=sn.position[kept], temperature=policy.temperature)
     res = kl_and_fisher(f, theta, after, {"delta": delta})
     return {"kl": res["kl"], "half_fisher": res["half_delta"]}

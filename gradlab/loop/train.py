@@ -89,7 +89,7 @@ def sample(L: Learner, cfg: RunConfig, task, tok, step: int, D: Dist) -> Rollout
     return ro
 
 
-def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, probes,
+def rollout_step(L: Learner, cfg: RunConfig, task, tok, step: int, *, probes,
                  instruments, D: Dist) -> tuple[dict, Rollout]:
     """Sample one rollout batch and make `minibatches` optimizer steps, measured by
     `instruments` (`loop_instruments`); returns (metrics, rollout)."""
@@ -194,16 +194,18 @@ def _train(cfg: RunConfig, resume: bool | str, signals: StopSignals, D: Dist) ->
         for L in learners:
             t0 = time.perf_counter()
             tracer.begin(L.name, step)
-            rec, ro = rollout_step(L, cfg, task, tok, step, probes, instruments, D)
+            rec, ro = rollout_step(L, cfg, task, tok, step, probes=probes, instruments=instruments,
+                                   D=D)
             tracer.end()
             rec["time_step"] = time.perf_counter() - t0
             if evalset and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 t1 = time.perf_counter()
                 with gathered(L.model):
                     rec.update(evaluate_heldout(unwrap(L.model), tok, task, evalset,
-                                                cfg.temperature,
-                                                cfg.max_new_tokens or task.max_new_tokens,
-                                                cfg.seed, cfg.amp))
+                                                temperature=cfg.temperature,
+                                                max_new_tokens=(cfg.max_new_tokens
+                                                                or task.max_new_tokens),
+                                                seed=cfg.seed, amp=cfg.amp))
                 rec["time_eval"] = time.perf_counter() - t1
             store.log(rec)
             live.log(rec)

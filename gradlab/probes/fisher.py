@@ -26,7 +26,7 @@ Params = dict[str, Tensor]
 F64_ATTN = "gradlab_float64"
 
 
-def _attention_f64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def _attention_f64(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
     """HF's eager attention without its float32 softmax (which rounds a float64 model)."""
     rep = query.shape[1] // key.shape[1]  # grouped-query heads
     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)

@@ -138,6 +138,7 @@ def learning_tax(
     W: Tensor,
     batch: TokenBatch,
     params: dict[str, Tensor],
+    *,
     nodes: str = "prefix",
     groups: dict[str, str] | None = None,
     sn: SharedNodes | None = None,

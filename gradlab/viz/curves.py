@@ -59,7 +59,7 @@ def _sampled_every(tidy: pd.DataFrame, m: str, also=()) -> int:
     return int(np.median(np.diff(steps))) if len(steps) > 1 else 0
 
 
-def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
+def training_curves(tidy: pd.DataFrame, metrics=CURVES, *, x: str = "tokens",
                     smooth: int = 1, log: tuple = LOG, floor: float = 1e-6,
                     title: str | None = None, explain: tuple = EXPLAIN) -> plt.Figure:
     """One panel per metric, one line per objective (mean and 95 % Student-t band over seeds).
@@ -131,8 +131,8 @@ def training_curves(tidy: pd.DataFrame, metrics=CURVES, x: str = "tokens",
             ax.set_xlim(xs.min() - pad, xs.max() + pad)
     for ax in list(axes.flat)[len(have):]:
         ax.set_visible(False)
-    _legend(fig, objs, palette, dashes, any(m in log for m, _ in have), floor,
-            HELDOUT in set(tidy["metric"]) and any(m == "accuracy" for m, _ in have))
+    _legend(fig, objs, palette, dashes=dashes, band=any(m in log for m, _ in have), floor=floor,
+            heldout=HELDOUT in set(tidy["metric"]) and any(m == "accuracy" for m, _ in have))
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.0 * nrow + 0.5)))
     if title:
         fig.suptitle(title, fontsize=10, y=1.02)
@@ -220,7 +220,7 @@ def _points(ax: plt.Axes, d: pd.DataFrame, x: str, objs: list, palette: dict, ma
                     markeredgecolor="white", markeredgewidth=0.6, zorder=3 + i)
 
 
-def _legend(fig: plt.Figure, objs: list, palette: dict, dashes: dict, band: bool, floor: float,
+def _legend(fig: plt.Figure, objs: list, palette: dict, *, dashes: dict, band: bool, floor: float,
             heldout: bool) -> None:
     """One legend above the panels (never over the data)."""
     from matplotlib.lines import Line2D

@@ -44,7 +44,7 @@ LEVELS = ("token", "sequence")
 # ----------------------------------------------------------------------------- measuring
 
 
-def audit_setting(loss_type: str, level: str, off: bool, workload: Workload, gens: int,
+def audit_setting(loss_type: str, level: str, off: bool, *, workload: Workload, gens: int,
                   dfpo: str | None = None, seed: int = 0) -> dict:
     """Run one TRL setting for `gens` generation batches; pooled figures as a dict."""
     from ..trl.host import closed_form
@@ -83,8 +83,9 @@ def run_audit(quick: bool = False, workloads: tuple[str, ...] = ("lengths",), se
         for lt, lv, dfpo in settings(quick):
             for off in (False, True):
                 t0 = time.perf_counter()
-                row = audit_setting(lt, lv, off, WORKLOADS[wl], gens_off if off else gens_on,
-                                    dfpo, seed)
+                row = audit_setting(lt, lv, off, workload=WORKLOADS[wl],
+                                    gens=gens_off if off else gens_on,
+                                    dfpo=dfpo, seed=seed)
                 rows.append(row)
                 log(f"  {wl:10s} {lt:8s} {lv:8s} {dfpo or '':5s} {row['policy']:3s} "
                     f"ρ={row['rho']:.3f} ρ_step={row['rho_step']:.3f} "

@@ -91,7 +91,7 @@ def group_labels(index, n: int) -> Tensor:
     return torch.tensor([seen.setdefault(u, len(seen)) for u in ids], dtype=torch.long)
 
 
-def ibpo_advantage(token_level_rewards: Tensor, response_mask: Tensor, index=None, config=None,
+def ibpo_advantage(token_level_rewards: Tensor, response_mask: Tensor, index=None, *, config=None,
                    responses: Tensor | None = None, form: str = "ga+la", reweight: str = "none",
                    **_unused) -> tuple[Tensor, Tensor]:
     """IBPO token advantages in verl's estimator signature → (advantages, returns), (bs, T).

@@ -195,7 +195,7 @@ def _current(who: str, log_prob: Tensor) -> _MicroBatch:
     return mb
 
 
-def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, config,
+def _batch(mb: _MicroBatch, old_log_prob, log_prob, advantages, response_mask, *, config,
            strict: bool, who: str) -> TokenBatch:
     """The loss call's TokenBatch; group labels stable over the open mini-batch."""
     mini = getattr(_state, "mini", None) or _MiniBatch()
@@ -289,7 +289,7 @@ def _report(mini_done: dict[str, float]) -> dict[str, float]:
 def _measure_fn(base: str):
     name = f"{MEASURE}:{base}"
 
-    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
                 config=None, rollout_is_weights=None):
         mb = _current(name, log_prob)
         form = _closed_form(name, base, loss_agg_mode, config, log_prob.shape[1])
@@ -299,7 +299,8 @@ def _measure_fn(base: str):
             rollout_is_weights=rollout_is_weights)
         W = _modulation(loss, log_prob)
         _state.last = (W.double(), None)
-        batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config, False, name)
+        batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config=config,
+                       strict=False, who=name)
         return loss, {**metrics, **_gather(batch, W, form, mb.last)}
 
     loss_fn.__name__ = loss_fn.__qualname__ = f"gradlab_measure_{base}"
@@ -323,11 +324,12 @@ def _check_whole(batch: TokenBatch, uid: list, config, who: str) -> None:
 def _dfpo_fn(base: str, transform: str):
     name = f"{DFPO}:{base}:{transform}"
 
-    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode="token-mean",
                 config=None, rollout_is_weights=None):
         mb = _current(name, log_prob)
         form = _closed_form(name, base, loss_agg_mode, config, log_prob.shape[1], transform)
-        batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config, True, name)
+        batch = _batch(mb, old_log_prob, log_prob, advantages, response_mask, config=config,
+                       strict=True, who=name)
         _check_whole(batch, mb.uid, config, name)
         loss, metrics = core_algos.get_policy_loss_fn(base)(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,

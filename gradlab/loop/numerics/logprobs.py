@@ -24,6 +24,7 @@ from the same chunk and the same exp pass as the logsumexp (one extra dot produc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -45,6 +46,7 @@ def token_logps(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     temperature: float = 1.0,
+    *,
     return_entropy: bool = False,
     return_logprobs: bool = False,
     chunk: int | None = None,
@@ -66,15 +68,17 @@ def token_logps(
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     body, head = _body_and_head(model)
     if return_logprobs or head is None:
-        return _full(model, ids, mask, response_ids, response_mask, temperature,
-                     return_entropy, return_logprobs, entropy_grad)
+        return _full(model, ids, mask, response_ids, response_mask, temperature=temperature,
+                     return_entropy=return_entropy, return_logprobs=return_logprobs,
+                     entropy_grad=entropy_grad)
     h = _hidden(model, body, ids, mask)[:, prompt_ids.shape[1] - 1 :]  # (N, T + 1, H)
     N, T = response_ids.shape
     out_fn = _Output(model, body, head)
     c = chunk or max(1, LOGIT_BUDGET // out_fn.vocab)
     if N * T <= c:  # fits one chunk: the plain computation on the (N, T, V) grid, same numerics
-        return _from_logits(out_fn(h), response_ids, response_mask, temperature, return_entropy,
-                            False, entropy_grad)
+        return _from_logits(out_fn(h), response_ids, response_mask, temperature=temperature,
+                            return_entropy=return_entropy, return_logprobs=False,
+                            entropy_grad=entropy_grad)
     sel = response_mask.nonzero(as_tuple=True)  # only real response tokens reach the head
     hs, tok = h[:, :-1][sel], response_ids[sel]  # (M, H), (M,): position t predicts token t
     parts = [_selective(out_fn, hs[s : s + c], tok[s : s + c], temperature, return_entropy,
@@ -87,7 +91,7 @@ def token_logps(
 
 
 def context_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                     response_ids: torch.Tensor, response_mask: torch.Tensor, row: torch.Tensor,
+                     response_ids: torch.Tensor, response_mask: torch.Tensor, *, row: torch.Tensor,
                      pos: torch.Tensor, temperature: float = 1.0,
                      chunk: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Next-token log-softmax (nats, float32, at `temperature`) at n chosen contexts only.
@@ -116,6 +120,17 @@ def context_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         yield s, F.log_softmax(out_fn(hs[s : s + c]).float() / temperature, dim=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _HeadOptions:
+    """The non-tensor settings of one `_SelectiveLogSoftmax` chunk: logits are divided by
+    `temperature`; `entropy` also returns the (c,) entropies; `entropy_grad` lets gradient flow
+    through them."""
+
+    temperature: float
+    entropy: bool
+    entropy_grad: bool = True
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """Log-probs of `tok` and the entropy from one (c, V) logits chunk, one exp pass for both.
 
@@ -129,7 +144,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hs, tok, out, temperature, entropy, entropy_grad, *params):
+    def forward(ctx, hs, tok, out, opts: _HeadOptions, *params):
+        temperature, entropy, entropy_grad = opts.temperature, opts.entropy, opts.entropy_grad
         dev = hs.device.type
         ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         z = _chunk_logits(out, hs, temperature)  # (c, V) float32
@@ -176,7 +192,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
                      if inputs else [])
         g = [next(grads) if n else None for n in need]
         g = [None if x is None else x.to(t.dtype) for x, t in zip(g, want)]
-        return (g[0], None, None, None, None, None, *g[1:])
+        return (g[0], None, None, None, *g[1:])
 
 
 def _chunk_logits(out, hs: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -189,8 +205,8 @@ def _selective(out, hs: torch.Tensor, tok: torch.Tensor, temperature: float, ent
                entropy_grad: bool = True):
     """(c,) log-probs of `tok` [and (c,) entropies] from (c, H) hidden states: the (c, V)
     logits live only inside `_SelectiveLogSoftmax` (forward, and recomputed in backward)."""
-    lp, ent = _SelectiveLogSoftmax.apply(hs, tok, out, temperature, entropy, entropy_grad,
-                                         *out.params)
+    opts = _HeadOptions(temperature, entropy, entropy_grad)
+    lp, ent = _SelectiveLogSoftmax.apply(hs, tok, out, opts, *out.params)
     return (lp, ent) if entropy else (lp,)
 
 
@@ -308,17 +324,18 @@ def _hidden(model, body, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return got[0]
 
 
-def _full(model, ids, mask, response_ids, response_mask, temperature, return_entropy,
+def _full(model, ids, mask, response_ids, response_mask, *, temperature, return_entropy,
           return_logprobs, entropy_grad: bool = True):
     """The plain path: the model's own (N, T + 1, V) logits and a full log-softmax."""
     T = response_ids.shape[1]
     out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions(mask),
                 use_cache=False, logits_to_keep=T + 1)
-    return _from_logits(out.logits, response_ids, response_mask, temperature, return_entropy,
-                        return_logprobs, entropy_grad)
+    return _from_logits(out.logits, response_ids, response_mask, temperature=temperature,
+                        return_entropy=return_entropy, return_logprobs=return_logprobs,
+                        entropy_grad=entropy_grad)
 
 
-def _from_logits(logits, response_ids, response_mask, temperature, return_entropy,
+def _from_logits(logits, response_ids, response_mask, *, temperature, return_entropy,
                  return_logprobs, entropy_grad: bool = True):
     """logps (N, T) [, entropy (N, T)] [, log-softmax (N, T, V)] from (N, T + 1, V) logits."""
     logits = logits[:, :-1].float() / temperature  # (N, T, V): position t predicts token t
@@ -337,11 +354,12 @@ def _from_logits(logits, response_ids, response_mask, temperature, return_entrop
     return tuple(result)
 
 
-def context_logprobs_fn(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                        response_ids: torch.Tensor, response_mask: torch.Tensor, rows: torch.Tensor,
-                        pos: torch.Tensor, temperature: float = 1.0
+def context_logprobs_fn(model: torch.nn.Module, prompt_ids: torch.Tensor,
+                        prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                        response_mask: torch.Tensor, *, row: torch.Tensor, pos: torch.Tensor,
+                        temperature: float = 1.0
                         ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-    """f(params) → (K, V) log π(·|h_k) at the K contexts (rows[k], pos[k]) of a rollout layout,
+    """f(params) → (K, V) log π(·|h_k) at the K contexts (row[k], pos[k]) of a rollout layout,
     params a dict of the model's parameters (`torch.func.functional_call`): the f that
     `gradlab.probes.fisher.kl_and_fisher` differentiates.
 
@@ -358,6 +376,6 @@ def context_logprobs_fn(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
 
     def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = functional_call(model, params, (), kw).logits[:, :-1]  # (N, T', V)
-        return F.log_softmax(logits[rows, pos] / temperature, dim=-1)
+        return F.log_softmax(logits[row, pos] / temperature, dim=-1)
 
     return f

@@ -76,7 +76,7 @@ def bf16_autocast_ok(device: str | torch.device) -> bool:
         return False
 
 
-def amp_gap(ref_logps: torch.Tensor, logps: torch.Tensor, ref_W: torch.Tensor, W: torch.Tensor,
+def amp_gap(ref_logps: torch.Tensor, logps: torch.Tensor, *, ref_W: torch.Tensor, W: torch.Tensor,
             ref_grad: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far a reading (log-probs (B, T) nats, W (B, T), flat gradient (P,)) sits from a
     reference on the same tokens (mask (B, T) bool): the quantities the AMP_* bounds hold."""

@@ -81,7 +81,7 @@ def heldout_draw(task, n: int | str, seed: int = 0) -> list:
     return draw_problems(task, n, seed * _DRAW_SALT, held, want_heldout=True, distinct=True)
 
 
-def sampled_accuracy(model, tok, task, problems: list, samples: int, temperature: float,
+def sampled_accuracy(model, tok, task, problems: list, *, samples: int, temperature: float,
                      seed: int, max_new_tokens: int | None = None) -> np.ndarray:
     """(N,) share of `samples` responses per problem that the verifier accepts; temperature 0:
     one argmax response (0/1). Noise hashed from (seed, row)."""
@@ -102,7 +102,7 @@ def sampled_accuracy(model, tok, task, problems: list, samples: int, temperature
     return ok.reshape(len(problems), k).mean(1)
 
 
-def evaluate_policy(model, tok, task, problems: int | str = 256, samples: int = 1, seed: int = 0,
+def evaluate_policy(model, tok, task, problems: int | str = 256, *, samples: int = 1, seed: int = 0,
                     temperature: float = 1.0) -> pd.DataFrame:
     """Tidy scores of one policy: columns metric, value, se (standard error over problems),
     n_problems, samples, eval_seed, temperature. Accuracies in 0..1; `accuracy_expected` only
@@ -115,8 +115,10 @@ def evaluate_policy(model, tok, task, problems: int | str = 256, samples: int = 
     if samples < 1:
         raise ValueError(f"--samples must be ≥ 1, got {samples}")
     probs = heldout_draw(task, problems, seed)
-    per = {"accuracy_greedy": sampled_accuracy(model, tok, task, probs, 1, 0.0, seed),
-           "accuracy_sampled": sampled_accuracy(model, tok, task, probs, samples, temperature, seed)}
+    per = {"accuracy_greedy": sampled_accuracy(model, tok, task, probs, samples=1,
+                                               temperature=0.0, seed=seed),
+           "accuracy_sampled": sampled_accuracy(model, tok, task, probs, samples=samples,
+                                                temperature=temperature, seed=seed)}
     if getattr(task, "exact_answers", False):
         per["accuracy_expected"] = expected_accuracy(model, tok, task, probs, temperature)
     rows = []
@@ -201,13 +203,14 @@ def _json(path: Path) -> dict:
         raise ConfigError(f"{path}: not readable JSON ({e})") from None
 
 
-def evaluate_path(path: str | Path, problems: int | str = 256, samples: int = 1, seed: int = 0,
+def evaluate_path(path: str | Path, problems: int | str = 256, *, samples: int = 1, seed: int = 0,
                   objective: str | None = None, task: str | None = None,
                   temperature: float = 1.0) -> pd.DataFrame:
     """`evaluate_policy` for every policy `policies(path, ...)` yields; a `policy` column."""
     import pandas as pd
 
-    frames = [evaluate_policy(m, tok, t, problems, samples, seed, temperature).assign(policy=label)
+    frames = [evaluate_policy(m, tok, t, problems, samples=samples, seed=seed,
+                              temperature=temperature).assign(policy=label)
               for label, m, tok, t in policies(path, objective, task)]
     df = pd.concat(frames, ignore_index=True)
     return df[["policy"] + [c for c in df.columns if c != "policy"]]

@@ -79,7 +79,7 @@ def _gradients(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch.Te
 
 
 def measured_step(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch.Tensor,
-                  meter: torch.nn.Module, D: Dist) -> list[dict]:
+                  *, meter: torch.nn.Module, D: Dist) -> list[dict]:
     """Take one real optimizer step of L on `rows` and return one record per full-group node."""
     raw = unwrap(L.model)
     params = dict(raw.named_parameters())
@@ -114,8 +114,8 @@ def measured_step(L: Learner, cfg: RunConfig, ro, adv: torch.Tensor, rows: torch
     t_max = int(sn.position.max()) + 1
     s = ro.rows(rows[reps], t=t_max)
     f = context_logprobs_fn(meter, s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask,
-                            torch.searchsorted(reps, sn.rep),
-                            sn.position, cfg.temperature)
+                            row=torch.searchsorted(reps, sn.rep),
+                            pos=sn.position, temperature=cfg.temperature)
     dbl = lambda d: {n: v.double() for n, v in d.items()}  # noqa: E731
     res = kl_and_fisher(f, dbl(theta), dbl(after), {k: dbl(v) for k, v in dirs.items()})
     cols = ["kl"] + [f"half_{k}" for k in dirs]
@@ -144,7 +144,7 @@ def prop31_tandem(cfg: RunConfig, progress: bool = False) -> list[dict]:
             adv = advantages(ro.rewards, ro.group, scale=cfg.adv_scale)
             parts = minibatches(ro.group, cfg.minibatches, L.gen, cfg.split_groups, cfg.prompts)
             for k, rows in enumerate(parts):
-                recs = measured_step(L, cfg, ro, adv, rows, meter, D)
+                recs = measured_step(L, cfg, ro, adv, rows, meter=meter, D=D)
                 records += [dict(r, objective=L.name, step=step, opt_step=step * len(parts) + k)
                             for r in recs]
             if progress:

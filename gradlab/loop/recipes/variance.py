@@ -57,7 +57,7 @@ DEFAULT_OBJECTIVES = ("grpo", "gspo", "dfpo-min", "dfpo-orth", "ibpo[form=ga]", 
                       "ibpo[form=ga+la]", "ibpo[form=togo]", "ibpo[base=gspo]")  # noise ratios are reported against these when measured
 
 
-def draw(rollout: str, model, tok, task, problems: list, G: int, b: int, seed: int,
+def draw(rollout: str, model, tok, task, problems: list, *, G: int, b: int, seed: int,
          max_new_tokens: int, temperature: float) -> Rollout:
     """Rollout batch `b` of the measurement: G responses to each of `problems`, rewards scored.
 
@@ -157,7 +157,7 @@ def batch_readings(model, params: list, ro: Rollout, objs: dict, adv_scale: str,
     return out
 
 
-def measure_variance(names: list[str], task: str = "arithmetic", K: int = 32,
+def measure_variance(names: list[str], task: str = "arithmetic", *, K: int = 32,
                      reference_batches: int = 128, prompts: int = 8, G: int = 8,
                      checkpoint: str | Path | None = None, seed: int = 0,
                      rollout: str = "independent", temperature: float = 1.0,
@@ -186,10 +186,12 @@ def measure_variance(names: list[str], task: str = "arithmetic", K: int = 32,
     model, tok = load_measured_policy(checkpoint, task, t)
     check_encodable(t, tok)
     problems = TrainSplit(t).problems(prompts, seed=seed * 1_000_003)
-    kept, ref, per_batch = _draw_all(model, tok, t, problems, objs, K, reference_batches, G,
-                                     seed, rollout, temperature,
-                                     max_new_tokens or t.max_new_tokens, adv_scale, progress)
-    rows = per_batch + _summarise(kept, ref, per_batch, K, reference_batches, n_boot, seed)
+    kept, ref, per_batch = _draw_all(model, tok, t, problems, objs, K=K, R=reference_batches, G=G,
+                                     seed=seed, rollout=rollout, temperature=temperature,
+                                     max_new_tokens=max_new_tokens or t.max_new_tokens,
+                                     adv_scale=adv_scale, progress=progress)
+    rows = per_batch + _summarise(kept, ref, per_batch, K=K, R=reference_batches, n_boot=n_boot,
+                                  seed=seed)
     df = pd.DataFrame(rows)
     df.insert(0, "task", task)
     df.insert(1, "rollout", rollout)
@@ -198,7 +200,7 @@ def measure_variance(names: list[str], task: str = "arithmetic", K: int = 32,
     return df[list(COLUMNS)]
 
 
-def _draw_all(model, tok, task, problems, objs, K, R, G, seed, rollout, temperature,
+def _draw_all(model, tok, task, problems, objs, *, K, R, G, seed, rollout, temperature,
               max_new_tokens, adv_scale, progress) -> tuple[dict, dict, list]:
     """Sample K + R batches. Returns (name → (K, P) float32 gradients, name → [Σ_r g_r (P,)
     float64, Σ_r ‖g_r‖²], per-batch tidy rows of the K kept batches)."""
@@ -209,7 +211,8 @@ def _draw_all(model, tok, task, problems, objs, K, R, G, seed, rollout, temperat
     ref = {n: [torch.zeros(P, dtype=torch.float64), 0.0] for n in objs}
     rows = []
     for b in tqdm(range(K + R), desc=f"variance {task.key}", disable=not progress):
-        ro = draw(rollout, model, tok, task, problems, G, b, seed, max_new_tokens, temperature)
+        ro = draw(rollout, model, tok, task, problems, G=G, b=b, seed=seed,
+                  max_new_tokens=max_new_tokens, temperature=temperature)
         out = batch_readings(model, params, ro, objs, adv_scale, temperature)
         n_tok = int(ro.response_mask.sum())
         gen = int(ro.new_tokens.sum()) + ro.discarded_tokens  # what sampling cost (layouts.py)
@@ -241,7 +244,7 @@ def _mean_ci(x: np.ndarray, w: np.ndarray) -> tuple[float, float, float]:
     return (float(xs.sum() / ok.sum()), *V.interval(boot))
 
 
-def _summarise(kept: dict, ref: dict, per_batch: list, K: int, R: int, n_boot: int,
+def _summarise(kept: dict, ref: dict, per_batch: list, *, K: int, R: int, n_boot: int,
                seed: int) -> list[dict]:
     """Summary rows per objective (batch <NA>; `_objective_summary`), per-batch cosines to
     g_ref, and noise ratios against the baselines (paired: the same resamples of batches)."""

@@ -124,19 +124,20 @@ def generate_repair(model, tokenizer, problems: list, spec: SamplingSpec,
     try:
         with autocast(device, spec.amp):
             base = sample_roots(model, prompt_ids, prompt_mask, rows.keys, dec)
-            first = assemble(tokenizer, dec, prompt_ids, prompt_mask, problem_of_row, rows.group,
-                             [base], [(0, r) for r in range(n * G)])
+            first = assemble(tokenizer, dec, prompt_ids, prompt_mask, problems=problem_of_row,
+                             group=rows.group, parts=[base], pick=[(0, r) for r in range(n * G)])
             correct = torch.tensor([task.is_correct(p, t)
                                     for p, t in zip(problem_of_row, first.texts)], device=device)
             plan = repair_plan(base.tokens, base.mask, correct, rows.group)
             if spec.repair == "splice":
                 parts, kept, discarded = _splice(model, base, plan, rows, dec)
             else:
-                parts, kept, discarded = _resample(model, tokenizer, task, base, plan, rows, spec,
-                                                   dec)
+                parts, kept, discarded = _resample(model, tokenizer, task, base, plan=plan,
+                                                   rows=rows, spec=spec, dec=dec)
     finally:
         model.train(was_training)
-    return _repair_rollout(tokenizer, rows, parts, kept, len(plan), discarded, dec, task)
+    return _repair_rollout(tokenizer, rows, parts, kept=kept, tried=len(plan), discarded=discarded,
+                           dec=dec, task=task)
 
 
 def local_positions(tokens: torch.Tensor, mask: torch.Tensor, d: torch.Tensor,
@@ -150,7 +151,7 @@ def local_positions(tokens: torch.Tensor, mask: torch.Tensor, d: torch.Tensor,
     return torch.maximum(torch.where(stopped, L - 1, L) - 1, d)
 
 
-def _resample(model, tokenizer, task, base: Paths, plan, rows: RepairRows, spec: SamplingSpec,
+def _resample(model, tokenizer, task, base: Paths, *, plan, rows: RepairRows, spec: SamplingSpec,
               dec: Decoding):
     """Up to spec.repair_tries re-samples of each planned repair, from its departure d, or
     (repair "local") from the positions of `local_positions` walking back to d; the first
@@ -209,7 +210,7 @@ def _splice(model, base: Paths, plan, rows: RepairRows, dec: Decoding):
     return [base, part], {int(r): (1, k, int(d[k])) for k, r in enumerate(i.tolist())}, 0
 
 
-def _repair_rollout(tokenizer, rows: RepairRows, parts: list[Paths], kept: dict, tried: int,
+def _repair_rollout(tokenizer, rows: RepairRows, parts: list[Paths], *, kept: dict, tried: int,
                     discarded: int, dec: Decoding, task) -> Rollout:
     """Group-major rows: each group's sampled rows, then its repairs (module docstring)."""
     from .rollout import score
@@ -229,7 +230,8 @@ def _repair_rollout(tokenizer, rows: RepairRows, parts: list[Paths], kept: dict,
     rep = torch.tensor(repair_of, device=dev)
     at = torch.tensor(branch_at, device=dev)
     ro = assemble(tokenizer, dec, rows.prompt_ids[src_t], rows.prompt_mask[src_t],
-                  [rows.problems[i] for i in src], group[src_t], parts, pick, repair_of=rep,
+                  problems=[rows.problems[i] for i in src], group=group[src_t], parts=parts,
+                  pick=pick, repair_of=rep,
                   parent=rep, branch_at=at, repairs_tried=tried, discarded_tokens=discarded)
     spliced = rep >= 0
     if len(parts) > 1 and parts[1].cache is None:  # splice: nothing was sampled

@@ -300,6 +300,7 @@ def generate(
     G: int,
     max_new_tokens: int,
     temperature: float = 1.0,
+    *,
     generator: torch.Generator | None = None,
     amp: bool = False,
     task=None,

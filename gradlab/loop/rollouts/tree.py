@@ -119,8 +119,8 @@ def draw(logits: torch.Tensor, temperature: float, keys: torch.Tensor, t: torch.
 
 
 @torch.no_grad()
-def decode(model, feed: torch.Tensor, feed_mask: torch.Tensor, feed_pos: torch.Tensor,
-           cache: DynamicCache | None, live: torch.Tensor, cpos: torch.Tensor, *,
+def decode(model, feed: torch.Tensor, feed_mask: torch.Tensor, feed_pos: torch.Tensor, *,
+           cache: DynamicCache | None, live: torch.Tensor, cpos: torch.Tensor,
            start: torch.Tensor, keys: torch.Tensor, prefix: tuple,
            exclude: torch.Tensor | None, dec: Decoding) -> Paths:
     """Sample every row from its response position `start` (M,) until a stop id or
@@ -199,8 +199,8 @@ def branch(model, par: Paths, idx: torch.Tensor, at: torch.Tensor, keys: torch.T
     feed = torch.where(at == 0, prompt_last, prev)[:, None]
     exclude = par.tokens[idx, at.clamp(max=T - 1)] if alternative else None
     return decode(model, feed, torch.ones_like(feed, dtype=torch.bool), last[:, None],
-                  select_cache(par.cache, idx), live, par.cpos[idx], start=at, keys=keys,
-                  prefix=prefix, exclude=exclude, dec=dec)
+                  cache=select_cache(par.cache, idx), live=live, cpos=par.cpos[idx], start=at,
+                  keys=keys, prefix=prefix, exclude=exclude, dec=dec)
 
 
 def sample_roots(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, keys: torch.Tensor,
@@ -212,12 +212,13 @@ def sample_roots(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, key
     empty = torch.zeros(M, 0, dtype=torch.long, device=dev)
     prefix = (torch.zeros(M, T, dtype=torch.long, device=dev), torch.zeros(M, T, device=dev),
               torch.zeros(M, T, device=dev))
-    return decode(model, prompt_ids, prompt_mask, _positions(prompt_mask), None, empty.bool(),
-                  empty, start=z, keys=keys, prefix=prefix, exclude=None, dec=dec)
+    return decode(model, prompt_ids, prompt_mask, _positions(prompt_mask), cache=None,
+                  live=empty.bool(), cpos=empty, start=z, keys=keys, prefix=prefix, exclude=None,
+                  dec=dec)
 
 
 def assemble(tokenizer, dec: Decoding, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             problems: list, group: torch.Tensor, parts: list[Paths],
+             *, problems: list, group: torch.Tensor, parts: list[Paths],
              pick: list[tuple[int, int]], **extra) -> Rollout:
     """A Rollout of rows pick[i] = (part, row in part) of decoding rounds `parts`; prompt_ids,
     prompt_mask (N, P), problems and group (N,) are per output row. The width is trimmed to the
@@ -357,7 +358,8 @@ def _tree_rollout(tokenizer, plan: TreePlan, parts: list[Paths], problems: list,
                           device=dev)
     start = torch.stack([parts[a].start[r] for a, r in pick])  # (N,)
     ro = assemble(tokenizer, dec, plan.prompt_ids[rows], plan.prompt_mask[rows],
-                  [problems[i] for i in rows.tolist()], rows, parts, pick, parent=parent,
+                  problems=[problems[i] for i in rows.tolist()], group=rows, parts=parts,
+                  pick=pick, parent=parent,
                   branch_at=torch.where(parent < 0, -1, start))
     ro.generated = ro.lengths - start
     if task is not None:

@@ -53,7 +53,7 @@ _FILE = re.compile(r"step(\d+)\.parquet$")
 
 
 @torch.no_grad()
-def token_rows(batch: TokenBatch, W: Tensor, objective=None, keep: Tensor | None = None,
+def token_rows(batch: TokenBatch, W: Tensor, *, objective=None, keep: Tensor | None = None,
                row_in_group: Tensor | None = None, parent: Tensor | None = None,
                branch_at: Tensor | None = None) -> dict[str, np.ndarray]:
     """Trace columns (module docstring) of rows `keep` (default all) of one optimizer step.
@@ -140,7 +140,8 @@ class TraceWriter:
             if ro.parent is not None:  # tree / repair: the parent's row within the group
                 p = ro.parent[rows]
                 par, at = torch.where(p >= 0, rig[p.clamp(min=0)], -1), ro.branch_at[rows]
-            cols = token_rows(batch, W, objective, keep, rig[rows], par, at)
+            cols = token_rows(batch, W, objective=objective, keep=keep, row_in_group=rig[rows],
+                              parent=par, branch_at=at)
             cols["opt_step"] = np.full(len(cols["W"]), self._opt)
             self._parts.append(cols)
         self._opt += 1
@@ -244,7 +245,8 @@ def trace_window(run: str | Path, objective: str, window, tok=None, groups: int 
     w = TraceWriter(run, 1, groups, tok)
     w.begin(objective, int(window.index))
     if keep.numel():
-        cols = token_rows(b, window.W, None, keep, row_in_group(b.group))
+        cols = token_rows(b, window.W, objective=None, keep=keep,
+                          row_in_group=row_in_group(b.group))
         cols["opt_step"] = window.opt[keep].unsqueeze(-1).expand(-1, b.T)[b.mask[keep]].cpu().numpy()
         w._parts.append(cols)
     return w.end()

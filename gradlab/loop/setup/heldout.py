@@ -103,7 +103,7 @@ def eval_problems(task, size: int) -> list:
 
 
 @torch.no_grad()
-def evaluate_heldout(model, tok, task, problems: list, temperature: float, max_new_tokens: int,
+def evaluate_heldout(model, tok, task, problems: list, *, temperature: float, max_new_tokens: int,
                      seed: int, amp: bool = False) -> dict:
     """Accuracy on `problems`, one response each: `eval_accuracy` sampled at `temperature`
     (noise hashed from (seed, row): the same at every call), `eval_accuracy_greedy` (argmax),

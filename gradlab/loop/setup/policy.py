@@ -153,6 +153,7 @@ def _first_with_solution(task):
 def warm_start(
     task=None,
     seed: int = 0,
+    *,
     steps: int | None = None,
     progress: bool = True,
     size: str = "tiny",
@@ -303,7 +304,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_policy(
-    path: str | Path | None = None, task=None, cache_dir: str | Path | None = None, device="cpu",
+    path: str | Path | None = None, task=None, *, cache_dir: str | Path | None = None, device="cpu",
     trust_remote_code: bool = False, attn: str = "auto", dropout: bool = False,
 ) -> tuple:
     """Load (model, tokenizer).

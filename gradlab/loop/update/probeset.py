@@ -26,7 +26,7 @@ def probe_set(model, tok, task, cfg) -> dict:
     g = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 12345)
     problems = task.problems(cfg.probe_contexts, seed=10**9 + cfg.seed)
     max_new = cfg.max_new_tokens or task.max_new_tokens
-    ro = generate(model, tok, problems, cfg.G, max_new, cfg.temperature, g, amp=cfg.amp)
+    ro = generate(model, tok, problems, cfg.G, max_new, cfg.temperature, generator=g, amp=cfg.amp)
     zeros = torch.zeros(ro.response_ids.shape, device=ro.response_ids.device)
     b = ro.token_batch(zeros, zeros[:, 0], old_logps=zeros, validate=False)
     sn = shared_nodes(b, "prefix")
