@@ -223,7 +223,8 @@ def test_on_the_tiny_model_W_and_dfpo_through_a_real_backward():
     def verl_call(name, lp):
         with gv.micro_batch(ro.response_ids, ro.group, last=True):
             return core_algos.get_policy_loss_fn(name)(ro.old_logps, lp, A, ro.response_mask,
-                                                       "seq-mean-token-mean", actor_config(name))
+                                                       loss_agg_mode="seq-mean-token-mean",
+                                                       config=actor_config(name))
 
     model.train()
     with ModulationProbe() as probe:
@@ -255,10 +256,12 @@ def test_clear_errors():
     A = b.advantages.unsqueeze(-1).expand_as(lp)
     fn = core_algos.get_policy_loss_fn("gradlab_measure:vanilla")
     with pytest.raises(ValueError, match="gradlab_measure:vanilla: no token/group ids.*micro_batch"):
-        fn(b.old_logps, lp, A, b.mask, "token-mean", actor_config("vanilla"), None)
+        fn(b.old_logps, lp, A, b.mask, loss_agg_mode="token-mean",
+           config=actor_config("vanilla"), rollout_is_weights=None)
     with pytest.raises(ValueError, match="responses are \\(8, 7\\), log_prob is \\(8, 8\\)"):
         with gv.micro_batch(b.tokens[:, :7], b.group):
-            fn(b.old_logps, lp, A, b.mask, "token-mean", actor_config("vanilla"), None)
+            fn(b.old_logps, lp, A, b.mask, loss_agg_mode="token-mean",
+               config=actor_config("vanilla"), rollout_is_weights=None)
     with pytest.raises(ValueError, match="uid has 3 entries, responses has 8 rows"):
         with gv.micro_batch(b.tokens, ["a", "b", "c"]):
             pass
