@@ -143,7 +143,7 @@ D = setup("cpu", fsdp=True)
 c = tiny_case("cpu", prompts=4, G=4, seed=int(sys.argv[1]))
 ro, adv, N = c.ro, c.adv, c.ro.response_ids.shape[0]
 norms = (N, int(ro.response_mask.sum()), ro.response_ids.shape[1])  # the global normalisers
-ref = {n: [read_step(c.model, ro, adv, objectives.get(n), amp) for amp in (False, True)]
+ref = {n: [read_step(c.model, ro, adv, objectives.get(n), amp=amp) for amp in (False, True)]
        for n in OBJECTIVES}
 model = D.wrap(c.model, amp=True)  # FSDP2 with MixedPrecisionPolicy(bf16, fp32)
 assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}  # fp32 shards
@@ -152,10 +152,12 @@ with torch.no_grad():  # outside autocast the gathered weights compute in bf16
 mine = (ro.group % D.world == D.rank).nonzero().squeeze(-1)  # this rank's groups
 m = ro.response_mask[mine]
 for n in OBJECTIVES:
-    got = read_step(model, ro, adv, objectives.get(n), True, mine, norms, grad_scale=D.world)
+    got = read_step(model, ro, adv, objectives.get(n), amp=True, rows=mine, norms=norms,
+                    grad_scale=D.world)
     assert got.closed_gap <= 1e-6, (n, got.closed_gap)
     for label, r in zip(("float32", "one process --amp"), ref[n]):
-        gap = amp_gap(r.logps[mine], got.logps, r.W[mine], got.W, r.grad, got.grad, m)
+        gap = amp_gap(r.logps[mine], got.logps, ref_W=r.W[mine], W=got.W, ref_grad=r.grad,
+                      grad=got.grad, mask=m)
         assert not amp_failures(gap), (n, label, gap)
         print("rank", D.rank, n, label, {k: round(v, 4) for k, v in gap.items()})
 del model, c  # the sharded model goes before its process group
