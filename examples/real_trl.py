@@ -186,20 +186,24 @@ def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: P
             self.times["sampling"] += time.perf_counter() - t0
             return out
 
-        def _gl_step(self):  # the optimizer step's instruments: probe time
-            t0 = time.perf_counter()
-            super()._gl_step()
-            self.times["probes"] += time.perf_counter() - t0
+        def _probe(self, f):  # seconds in gradlab's instruments and store (outermost call)
+            if self.times.get("inside"):
+                return f()
+            t0, self.times["inside"] = time.perf_counter(), True
+            try:
+                return f()
+            finally:
+                self.times["inside"] = False
+                self.times["probes"] += time.perf_counter() - t0
+
+        def _gl_step(self):  # the optimizer step's instruments
+            self._probe(super()._gl_step)
 
         def _gl_after_step(self):  # the update-phase instruments' second reading
-            t0 = time.perf_counter()
-            super()._gl_after_step()
-            self.times["probes"] += time.perf_counter() - t0
+            self._probe(super()._gl_after_step)
 
         def _gl_close_window(self):  # the window's reduction and store row
-            t0 = time.perf_counter()
-            super()._gl_close_window()
-            self.times["probes"] += time.perf_counter() - t0
+            self._probe(super()._gl_close_window)
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -216,7 +220,7 @@ def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: P
             instruments=instruments(a.tax_every if tax_every is None else tax_every),
             trace_every=0)
     tr = Timed(**kw)
-    tr.times = {"sampling": 0.0, "probes": 0.0}
+    tr.times = {"sampling": 0.0, "probes": 0.0, "inside": False}
     tr.remove_callback(PrinterCallback)
     return tr, task
 

@@ -142,6 +142,25 @@ def test_tax_schedule_counts_windows(tmp_path):
     assert not any(k.startswith("tax_") for k in off.gradlab_window.metrics)
 
 
+def test_update_phase_readings_land_in_their_own_window(tmp_path):
+    """`drift@2` (read before and after TRL's optimizer step) over 3 windows of one optimizer
+    step each: windows 0 and 2, the last one included, report the drift of their own step,
+    at every full-group node of that step's rows; window 1 reports none."""
+    from gradlab.core.nodes import shared_nodes
+
+    tr = run(tmp_path, "dr_grpo", "token", steps=3, instruments="residual,drift@2",
+             workload="arithmetic", lr=3e-3)
+    ws = tr.gradlab_windows
+    assert [w.index for w in ws] == [0, 1, 2]
+    assert ["drift_node_count" in w.metrics for w in ws] == [True, False, True]
+    for i in (0, 2):
+        n = shared_nodes(ws[i].batch, "prefix").n
+        assert ws[i].metrics["drift_node_count"] == n > 0
+    df = gradlab.load_run(tmp_path / "store")
+    drift = df[df.metric == "drift_node_count"]
+    assert sorted(drift[drift.value.notna()].step) == [0, 2]  # window 1: not measured
+
+
 def test_every_group_tied_gives_nan_share_never_0(tmp_path):
     def constant(prompts, completions, **kw):
         return [1.0] * len(completions)
