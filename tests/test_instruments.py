@@ -202,8 +202,9 @@ def test_own_instrument_in_trl_equals_the_window_computation(tmp_path):
     logged = gradlab.load_run(tmp_path / "store", wide=True)
     assert "shared_mass_share" in logged.columns
     assert "share of |W| on full-group tokens" in view(tmp_path / "store").read_text()
-    with pytest.raises(ValueError, match="needs grads, model"):
-        GradlabConfig(instruments="tax")
+    assert GradlabConfig(instruments="tax").instrument_set()  # TRL gives the model and grads
+    with pytest.raises(ValueError, match="unknown instrument 'taxx'"):
+        GradlabConfig(instruments="taxx")
 
 
 def test_the_guide_shows_the_example_as_it_runs():

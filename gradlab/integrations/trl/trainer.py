@@ -153,6 +153,7 @@ class GradlabMixin(ResumeMixin):
         self._gl_check()
         self._gl_readings: list[Readings] = []  # the current window's optimizer steps
         self._gl_view = None  # the optimizer step in flight (its update-phase instruments)
+        self._gl_close_after = False  # the window closes after that optimizer step
         self.add_callback(_AfterOptimizerStep(self))
         self._gl_gen: dict | None = None  # local unshuffled generation batch
         self._gl_parts: list[dict] = []  # one per loss call of the current window
@@ -277,7 +278,10 @@ class GradlabMixin(ResumeMixin):
         if self._gl_parts and self.accelerator.sync_gradients:  # this call ends an optimizer step
             self._gl_step()
         if self._gl_parts and self._step % self.args.steps_per_generation == 0:
-            self._gl_close_window()
+            if self._gl_view is not None:  # the step's update-phase readings come after it
+                self._gl_close_after = True
+            else:
+                self._gl_close_window()
         return out
 
     # --- per optimizer step ------------------------------------------------------------
@@ -309,6 +313,9 @@ class GradlabMixin(ResumeMixin):
         self._gl_view = None
         for inst in updating:
             self._gl_readings.append(inst.after(view))
+        if self._gl_close_after:  # the window's last optimizer step: its readings are complete
+            self._gl_close_after = False
+            self._gl_close_window()
 
     def _gl_gathered(self, view, parts: list[dict]):
         """Data parallelism: the step's rows of every process, so that a group whose rows sit
