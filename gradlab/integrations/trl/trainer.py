@@ -81,7 +81,7 @@ class GradlabConfig:
     dfpo: None, or a DFPO transform "min" | "orth" | "scale" applied to TRL's gradient, at
         `dfpo_nodes` ("prefix" | "trie") with `dfpo_scope` ("shared" | "all").
     every: measure every k-th generation batch (DFPO, when on, acts on every step).
-    trie: also report ρ at trie nodes. keep_windows: keep every `Window` in
+    keep_windows: keep every `Window` in
         `trainer.gradlab_windows` (the last one is always in `trainer.gradlab_window`).
     objective: label in the run store (default "trl-<loss_type>-<level>[+dfpo-<t>]").
     trace_every, trace_groups: token traces (gradlab.load_traces) of every k-th measured window
@@ -102,7 +102,6 @@ class GradlabConfig:
     dfpo_nodes: str = "prefix"
     dfpo_scope: str = "shared"
     every: int = 1
-    trie: bool = True
     keep_windows: bool = False
     objective: str | None = None
     resume: bool = False
