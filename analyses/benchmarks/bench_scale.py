@@ -7,8 +7,9 @@
 Sections: MEMORY (below) — peak RSS and time of one optimizer step at a fixed micro-batch as
 the step's number of sequences grows (target: 64 → 512 sequences ≤ 1.15× peak RSS).
 SAMPLING — ms per generated token of gradlab's rollout against `model.generate(do_sample=True)`
-on the same real-vocabulary model (target ≤ 1.3×). PROBES — cheap / bare and heavy / bare
-optimizer steps at the real vocabulary (targets ≤ 1.10× / ≤ 1.8×).
+on the same real-vocabulary model (target ≤ 1.3×). PROBES — the loop's optimizer step under each
+instrument preset (off, cheap, default, full) over the bare optimizer step at the real
+vocabulary (target: cheap ≤ 1.05×, CPU-time medians).
 
     python -m analyses.benchmarks.bench_scale sampling --hidden 256 --layers 4 --prompts 4 --tokens 64
     python -m analyses.benchmarks.bench_scale probes --hidden 256 --layers 4 --prompts 2 --tokens 64
@@ -84,8 +85,9 @@ def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, lay
     adv = advantages(ro.rewards, ro.group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     L = Learner(objective, objectives.get(objective), model, opt, torch.Generator())
-    cfg = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch, probes=probes,
-                    progress=False, max_new_tokens=tokens)
+    cfg = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch,
+                    instruments="default" if probes else "off", progress=False,
+                    max_new_tokens=tokens)
     rows = torch.arange(n)
     setup = _peak_mib()
     t0 = time.perf_counter()
@@ -188,34 +190,27 @@ def sampling_table(a: argparse.Namespace) -> dict:
 
 
 # ======================================================================================== #
-# PROBES: cheap / bare and heavy / bare at the real vocabulary (analyses/benchmarks/bench_probes.py)
+# PROBES: each instrument preset / bare at the real vocabulary (analyses/benchmarks/bench_probes.py)
 # ======================================================================================== #
 
 def probes_table(a: argparse.Namespace) -> dict:
-    """bench_probes.bench on the real-vocabulary model: medians (s) of the bare, loop (probes
-    off), cheap, traced and heavy optimizer steps on one fake batch of groups × G rows ×
-    --tokens tokens, interleaved."""
-    from analyses.benchmarks.bench_probes import bench
+    """bench_probes.bench on the real-vocabulary model: the bare optimizer step and the loop's
+    step under each instrument preset (`RunConfig(instruments=preset)`: off, cheap, default,
+    full), on one fake batch of prompts × G rows × --tokens tokens, interleaved; a Markdown
+    table of the medians and their ratios to bare."""
+    from analyses.benchmarks.bench_probes import bench, table
+    from gradlab.loop.setup.policy import n_params
 
     model, tok = real_vocab_model(a.hidden, a.layers)
     model.train()
     t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok)
-    print(f"\nProbe overhead, random-init Qwen3 V={VOCAB}, hidden {a.hidden}, {a.layers} layers, "
+    print(f"\nInstrument presets against the bare optimizer step, random-init Qwen3 V={VOCAB}, "
+          f"{n_params(model) / 1e6:.1f} M parameters (hidden {a.hidden}, {a.layers} layers), "
           f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}, "
           "interleaved; CPU time = user + sys of the (single-threaded) process\n")
-    print("| clock | bare (s) | loop, no probes (s) | cheap (s) | heavy (s) | loop / bare | "
-          "cheap / bare | traced / bare | heavy / bare | cheap / loop |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for clock, p in (("CPU time, median", "cpu_"), ("wall, median", ""), ("wall, min", "min_")):
-        b = t[p + "bare"]
-        print(f"| {clock} | {b:.2f} | {t[p + 'loop']:.2f} | {t[p + 'cheap']:.2f} | "
-              f"{t[p + 'heavy']:.2f} | {t[p + 'loop'] / b:.2f}× | {t[p + 'cheap'] / b:.2f}× | "
-              f"{t[p + 'traced'] / b:.2f}× | {t[p + 'heavy'] / b:.2f}× | "
-              f"{t[p + 'cheap'] / t[p + 'loop']:.2f}× |")
-    pc, ph = t["probes_phase_cheap"], t["probes_phase_heavy"]
-    print(f"\nprobes' own code inside the step (time_probes, wall): cheap {pc:.2f} s = "
-          f"{pc / t['cheap']:.1%} of its step; heavy {ph:.2f} s = {ph / t['heavy']:.1%}")
-    print(f"\nall medians (s): {jsonio.dumps({k: round(v, 3) for k, v in t.items()})}")
+    print(table(t))
+    print(f"\ncheap / off (CPU): {t['cpu_cheap'] / t['cpu_off']:.3f}×; "
+          f"all medians (s): {jsonio.dumps({k: round(v, 4) for k, v in t.items()})}")
     return t
 
 
