@@ -75,7 +75,7 @@ def optimizer_step(learner: Learner, cfg: RunConfig, work: StepWork, acc: StepMe
         acc.add_scalar("loss", 0.0)
     else:
         acc.add_basic(view.batch, view.entropy, loss, learner.objective.stats(view.batch))
-        acc.add_advantages(view.trained)  # the advantages W is built from (IBPO: per token)
+        acc.add_advantages(view.trained, view.grid())  # W's advantages (IBPO: per token)
         acc.record(instruments.measure(view, work.step))
         record_trace(learner.tracer, learner.objective, rollout, rows, view.trained, view.W)
     dist.fix_grads(learner.model)
@@ -115,7 +115,8 @@ def _forward_backward(learner: Learner, cfg: RunConfig, work: StepWork, view: St
         for _ in range(max(passes, 1)):
             _zero_pass(learner, cfg, rollout)
         return torch.zeros((), device=dev)
-    watch = cfg.probes or "W" in instruments.needs(work.step)
+    # W is measured when a due instrument reads it, or for the token traces of a traced step
+    watch = "W" in instruments.needs(work.step) or learner.tracer is not None
     view.batch, view.W, view.entropy, loss = _accumulate(
         learner, cfg, rollout, work.advantages, rows, (int(tot[0]), int(tot[1]), width), passes,
         watch)

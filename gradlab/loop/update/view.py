@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...core.batch import TokenBatch
-from ...core.nodes import shared_nodes
+from ...core.nodes import PrefixGrid, prefix_grid, shared_nodes
 from ...instruments import (
     Attribution,
     DivergentDrift,
@@ -64,6 +64,7 @@ class StepView:
     grads: object = None
     trained_batch: TokenBatch | None = None  # set: skip objective.prepare (tests)
     _nodes: dict | None = None
+    _grid: PrefixGrid | None = None
     _before: NodesBefore | None = None
     _after: torch.Tensor | None = None
     _theta: dict | None = None
@@ -80,10 +81,17 @@ class StepView:
             self.trained_batch = self.objective.prepare(self.batch)
         return self.trained_batch
 
+    def grid(self) -> PrefixGrid | None:
+        """The rows' pairwise prefix structure (`prefix_grid`), once per step (None idle)."""
+        if self._grid is None and self.batch is not None:
+            b = self.batch
+            self._grid = prefix_grid(b.tokens, b.mask, b.group)
+        return self._grid
+
     def nodes(self) -> dict:
         """{"prefix": full-group nodes, "trie": every trie node} of the step's rows ({} idle)."""
         if self._nodes is None:
-            trie = shared_nodes(self.batch, "trie") if self.batch is not None else None
+            trie = shared_nodes(self.batch, "trie", self.grid()) if self.batch is not None else None
             self._nodes = {} if trie is None else {"prefix": trie.full_group(), "trie": trie}
         return self._nodes
 
