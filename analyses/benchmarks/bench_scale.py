@@ -198,20 +198,29 @@ def probes_table(a: argparse.Namespace) -> dict:
     step under each instrument preset (`RunConfig(instruments=preset)`: off, cheap, default,
     full), on one fake batch of prompts × G rows × --tokens tokens, interleaved; a Markdown
     table of the medians and their ratios to bare."""
-    from analyses.benchmarks.bench_probes import bench, table
+    from analyses.benchmarks.bench_probes import TIERS, bench, table
     from gradlab.loop.setup.policy import n_params
 
     model, tok = real_vocab_model(a.hidden, a.layers)
     model.train()
-    t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok)
+    names = [n for n, _, _ in TIERS]
+    if bad := sorted(set(a.tiers.split(",")) - set(names)):
+        raise SystemExit(f"bench_scale probes: --tiers {','.join(bad)} unknown; known: {','.join(names)}")
+    tiers = tuple(x for x in TIERS if x[0] in a.tiers.split(","))
+    t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok, tiers)
     print(f"\nInstrument presets against the bare optimizer step, random-init Qwen3 V={VOCAB}, "
           f"{n_params(model) / 1e6:.1f} M parameters (hidden {a.hidden}, {a.layers} layers), "
           f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}, "
           "interleaved; CPU time = user + sys of the (single-threaded) process\n")
-    print(table(t))
-    print(f"\ncheap / off (CPU): {t['cpu_cheap'] / t['cpu_off']:.3f}×; "
-          f"all medians (s): {jsonio.dumps({k: round(v, 4) for k, v in t.items()})}")
+    print(table(t, tiers))
+    print(f"\nall medians (s): {jsonio.dumps({k: round(v, 4) for k, v in t.items()})}")
     return t
+
+
+def _tiers():
+    from analyses.benchmarks.bench_probes import TIERS
+
+    return TIERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--prompts", type=int, default=4, help="sampling/probes: prompts (groups)")
     p.add_argument("--repeats", type=int, default=3, help="sampling/probes: timed repeats")
+    p.add_argument("--tiers", default=",".join(n for n, _, _ in _tiers()),
+                   help="probes: which tiers beside bare (default: all)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "_memory_child":
