@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ...core.batch import TokenBatch
 from ...core.credit import branch_tokens
+from ...core.nodes import PrefixGrid
 from ...instruments import resolve
 from ...instruments.own import OWN_QUANTITIES, TOKSUM
 from ...instruments.reduce import Reduction
@@ -72,11 +73,12 @@ class StepMetrics(Reduction):
         for k, v in stats.items():
             self.sums[f"{TOKSUM}{k}"].append(v.detach().double() * n)
 
-    def add_advantages(self, batch: TokenBatch) -> None:
+    def add_advantages(self, batch: TokenBatch, grid: PrefixGrid | None = None) -> None:
         """Where the trained advantages sit: tokens with A ≠ 0, and |A| mass at branch tokens
-        (a token whose parent trie node branches: IBPO's comparisons live there)."""
+        (a token whose parent trie node branches: IBPO's comparisons live there). grid: the
+        batch's `prefix_grid` when the step has it already (the instruments' nodes share it)."""
         A, m = batch.adv_tokens.detach().abs() * batch.mask, batch.mask
-        branch = branch_tokens(batch.tokens, batch.mask, batch.group)
+        branch = branch_tokens(batch.tokens, batch.mask, batch.group, grid)
         self.sums["adv_nonzero"].append(((A > 0) & m).sum())
         self.sums["adv_abs_sum"].append(A.double().sum())
         self.sums["adv_abs_branch_sum"].append((A * branch).double().sum())
