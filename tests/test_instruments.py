@@ -253,8 +253,8 @@ def test_w_is_measured_only_when_a_due_instrument_or_the_tracer_reads_it(step, t
     import copy
 
     from gradlab.loop.runs.traces import TraceWriter
-    from gradlab.loop.update.step import _forward_backward, loop_instruments
-    from gradlab.loop.update.view import StepView
+    from gradlab.loop.update.step import _forward_backward
+    from gradlab.loop.update.view import loop_instruments, step_view
 
     model, ro = step
     m = copy.deepcopy(model).train()
@@ -266,7 +266,7 @@ def test_w_is_measured_only_when_a_due_instrument_or_the_tracer_reads_it(step, t
                                    ("off", True, True)):
         cfg = RunConfig(G=4, progress=False, instruments=spec)
         learner.tracer = TraceWriter(tmp_path, 1, 2) if traced else None
-        view = StepView(m, cfg, ro, rows, Dist(), objective=learner.objective)
+        view = step_view(m, cfg, ro, rows, Dist(), objective=learner.objective)
         _forward_backward(learner, cfg, work, view, loop_instruments(cfg), Dist())
         assert (view.W is not None) == measured, (spec, traced)
         if measured:  # the hook's W is the closed form's (GSPO), on the step's batch
