@@ -10,14 +10,17 @@ CPU, G completions per prompt of up to --max-completion-length tokens, one objec
   dfpo   GSPO with gradlab's DFPO Min-Replace drop-in (GradlabConfig(dfpo="min"))
 
 It writes one tidy CSV, <out>/real_trl.csv (objective, step, metric, value), per optimizer step:
-reward, entropy, completion_length, W-mass shares at full-group and trie nodes (share_prefix,
-share_trie), ρ at both (rho_prefix, rho_trie), the log-prob drift at full-group node tokens
-(drift_node_dlogp, off-policy steps), the share of groups split over optimizer steps by TRL's
-row shuffle (split_groups), the learning tax of each optimizer step's gradient (tax_share,
-tax_cos, every --tax-every steps; NaN on a step with no full-group token, n_nodes = 0: the nodes
-of the step's own rows, so a split group's part pays a tax the whole group would not), timings (time_step,
-time_sampling, time_probes, time_tax: seconds) and peak_rss_gib; heldout_acc (greedy,
---eval-size held-out problems) every --eval-every steps and at step 0. An undefined value stays NaN (e.g. ρ with no token shared by a whole group).
+reward, entropy, completion_length, timings (time_step, time_sampling, time_probes: seconds)
+and peak_rss_gib; on the last optimizer step of each generation batch, gradlab's instruments
+over that batch's optimizer steps (the names of gradlab's loop, each optimizer step measured on
+its own rows, so a group split by TRL's row shuffle is its part in the step): W-mass shares at
+full-group and trie nodes (share_prefix, share_trie), ρ at both (rho_prefix, rho_trie), their
+token counts (n_shared_prefix, n_shared_trie), the mean log-prob change of full-group node
+tokens over an optimizer step (drift_node_dlogp_mean), the share of groups split over optimizer
+steps (split_share), and the learning tax (tax_share, tax_cos, every --tax-every generation
+batches; NaN where no full-group token); heldout_acc (greedy, --eval-size held-out problems)
+every --eval-every steps and at step 0. An undefined value stays NaN (e.g. ρ with no token
+shared by a whole group).
 
 Resumable: TRL checkpoints every --save-every steps under <out>/<objective>/; run the same
 command again (with a larger --steps) and each objective continues from its last checkpoint.
@@ -58,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--G", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per generation batch")
     ap.add_argument("--spg", type=int, default=2,
-                    help="optimizer steps per generation batch (> 1: off-policy, drift measured)")
+                    help="optimizer steps per generation batch (> 1: off-policy)")
     ap.add_argument("--max-completion-length", type=int, default=128)
     ap.add_argument("--difficulty", type=int, default=1, help="word-problem difficulty 1..3")
     ap.add_argument("--fewshot", default="chat", choices=("chat", "inline"),
@@ -66,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--temperature", type=float, default=0.7,
                     help="sampling temperature (TRL's log-probs and so W are at it too)")
-    ap.add_argument("--tax-every", type=int, default=1, help="learning tax every k steps (0: off)")
+    ap.add_argument("--tax-every", type=int, default=1, help="learning tax every k generation batches (0: off)")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out accuracy every k steps")
     ap.add_argument("--eval-size", type=int, default=32, help="held-out problems (greedy)")
     ap.add_argument("--save-every", type=int, default=5, help="TRL checkpoint every k steps")
@@ -155,6 +158,12 @@ def grpo_config(a: argparse.Namespace, objective: str, out_dir: Path):
     return GRPOConfig(**kw)
 
 
+def instruments(tax_every: int) -> str:
+    """gradlab's instruments for the study: ρ and the closed-form check, the drift of every
+    optimizer step, the learning tax every `tax_every` generation batches (0: none)."""
+    return "cheap,drift" + (f",tax@{tax_every}" if tax_every else "")
+
+
 def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: Path,
                  resume: bool, gradlab: bool = True, tax_every: int | None = None):
     """A timed GradlabGRPOTrainer (or TRL's plain GRPOTrainer with gradlab=False) of one
@@ -177,10 +186,24 @@ def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: P
             self.times["sampling"] += time.perf_counter() - t0
             return out
 
-        def _gl_close_window(self):  # the window's ρ, drift and traces: probe time
-            t0 = time.perf_counter()
-            super()._gl_close_window()
-            self.times["probes"] += time.perf_counter() - t0
+        def _probe(self, f):  # seconds in gradlab's instruments and store (outermost call)
+            if self.times.get("inside"):
+                return f()
+            t0, self.times["inside"] = time.perf_counter(), True
+            try:
+                return f()
+            finally:
+                self.times["inside"] = False
+                self.times["probes"] += time.perf_counter() - t0
+
+        def _gl_step(self):  # the optimizer step's instruments
+            self._probe(super()._gl_step)
+
+        def _gl_after_step(self):  # the update-phase instruments' second reading
+            self._probe(super()._gl_after_step)
+
+        def _gl_close_window(self):  # the window's reduction and store row
+            self._probe(super()._gl_close_window)
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -194,9 +217,10 @@ def make_trainer(a: argparse.Namespace, objective: str, folder: Path, out_dir: P
         kw["gradlab"] = GradlabConfig(
             store=str(out_dir / "gradlab"), resume=resume, objective=objective,
             dfpo="min" if objective == "dfpo" else None,
-            tax_every=a.tax_every if tax_every is None else tax_every, trace_every=0)
+            instruments=instruments(a.tax_every if tax_every is None else tax_every),
+            trace_every=0)
     tr = Timed(**kw)
-    tr.times = {"sampling": 0.0, "probes": 0.0}
+    tr.times = {"sampling": 0.0, "probes": 0.0, "inside": False}
     tr.remove_callback(PrinterCallback)
     return tr, task
 
@@ -211,16 +235,12 @@ def step_rows(objective: str, step: int, tr, logs: dict, t_step: float) -> list[
         total = float(w.W.abs()[w.batch.mask].sum())
         for kind in ("prefix", "trie"):  # share of Σ|W| at the nodes; no gradient: undefined
             m[f"share_{kind}"] = m.get(f"mass_{kind}", nan) / total if total > 0 else nan
-    tax = dict(next((r for r in getattr(getattr(tr, "_gl_tax", None), "steps", [])
-                     if r["global_step"] == step - 1), {}))
-    if tax.get("n_nodes") == 0:  # no full-group token: no tax to measure (the probe's 0)
-        tax.update(tax_share=nan, tax_cos=nan)
     vals = {"reward": logs.get("reward", nan), "entropy": logs.get("entropy", nan),
             "completion_length": logs.get("completions/mean_length", nan),
             **{k: m.get(k, nan) for k in ("share_prefix", "share_trie", "rho_prefix", "rho_trie",
-                                          "nodes_prefix", "nodes_trie", "drift_node_dlogp",
-                                          "split_groups")},
-            **{k: tax.get(k, nan) for k in ("tax_share", "tax_cos", "n_nodes", "time_tax")},
+                                          "n_shared_prefix", "n_shared_trie",
+                                          "drift_node_dlogp_mean", "split_share", "tax_share",
+                                          "tax_cos")},
             "time_step": t_step, "time_sampling": tr.times["sampling"],
             "time_probes": tr.times["probes"],
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

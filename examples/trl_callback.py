@@ -2,8 +2,9 @@
 
 The model is gradlab's shipped tiny Qwen3 (a local folder with a character tokenizer, trained to
 answer `34+57=?` with `so 34+57=91`); the reward is 1 for the right sum. TRL's own loss is
-untouched: gradlab's hook reads W of it, and writes ρ, the residual and the drift once per
-generation batch into TRL's logs (`gradlab/*` keys) and into a run store,
+untouched: gradlab's hook reads W of it; gradlab's instruments measure ρ and the residual on
+every optimizer step and write them once per generation batch into TRL's logs (`gradlab/*`
+keys, the names of gradlab's own loop) and into a run store,
 `<output_dir>/gradlab`, that `gradlab.load_run` reads.
 
     pip install -e ".[trl]"
@@ -62,7 +63,7 @@ def main(prompts: int, G: int, gens: int, out: str) -> None:
         trainer.train(resume_from_checkpoint=last)
 
     run = gradlab.load_run(f"{out}/gradlab", wide=True)          # one row per generation batch
-    cols = ["step", "rho_prefix", "rho_prefix_step", "split_groups", "shared_fraction"]
+    cols = ["step", "rho_prefix", "split_share", "shared_frac_prefix", "w_dev"]
     print(text_table(run, cols))  # an undefined ρ (e.g. every group tied) is "—" with its reason
 
 

@@ -80,7 +80,7 @@ def test_trl_callback(tmp_path):
     store = [json.loads(x) for x in (tmp_path / "trl" / "gradlab" / "metrics.jsonl").open()]
     stored = {r["step"]: r["rho_prefix"] for r in store if "rho_prefix" in r}
     assert stored[0] is not None and 0 < stored[0] <= 1
-    assert float(rows["0"][0]) == pytest.approx(stored[0], abs=1e-6)
+    assert float(rows["0"][0]) == pytest.approx(stored[0], rel=5e-3)  # printed to 3 digits
     again = run_example("trl_callback.py", *args, cwd=tmp_path)  # the same command, same folder
     assert table(again, "step") == table(out, "step")
     assert (tmp_path / "trl" / "gradlab" / "metrics.jsonl").read_text().count("\n") == len(store)

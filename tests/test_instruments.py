@@ -202,8 +202,9 @@ def test_own_instrument_in_trl_equals_the_window_computation(tmp_path):
     logged = gradlab.load_run(tmp_path / "store", wide=True)
     assert "shared_mass_share" in logged.columns
     assert "share of |W| on full-group tokens" in view(tmp_path / "store").read_text()
-    with pytest.raises(ValueError, match="needs grads, model"):
-        GradlabConfig(instruments="tax")
+    assert GradlabConfig(instruments="tax").instrument_set()  # TRL gives the model and grads
+    with pytest.raises(ValueError, match="unknown instrument 'taxx'"):
+        GradlabConfig(instruments="taxx")
 
 
 def test_the_guide_shows_the_example_as_it_runs():
@@ -244,3 +245,30 @@ def test_overhead_table_is_the_committed_measurement_and_the_benchmark_runs(caps
     assert set(data["models"][0]["cpu_s"]) == set(bench.configs())
     bench.main(["--quick"])
     assert "| fisher |" in capsys.readouterr().out
+
+
+def test_w_is_measured_only_when_a_due_instrument_or_the_tracer_reads_it(step, tmp_path):
+    """The W hook of the forward/backward is registered for the presets that read W (cheap),
+    not for instruments="off" — unless the step is traced (the token traces carry W)."""
+    import copy
+
+    from gradlab.loop.runs.traces import TraceWriter
+    from gradlab.loop.update.step import _forward_backward
+    from gradlab.loop.update.view import loop_instruments, step_view
+
+    model, ro = step
+    m = copy.deepcopy(model).train()
+    learner = Learner("gspo", objectives.get("gspo"), m, torch.optim.SGD(m.parameters(), lr=0.1),
+                      torch.Generator())
+    rows = torch.arange(16)
+    work = StepWork(ro, advantages(ro.rewards, ro.group), rows, 1)
+    for spec, traced, measured in (("off", False, False), ("cheap", False, True),
+                                   ("off", True, True)):
+        cfg = RunConfig(G=4, progress=False, instruments=spec)
+        learner.tracer = TraceWriter(tmp_path, 1, 2) if traced else None
+        view = step_view(m, cfg, ro, rows, Dist(), objective=learner.objective)
+        _forward_backward(learner, cfg, work, view, loop_instruments(cfg), Dist())
+        assert (view.W is not None) == measured, (spec, traced)
+        if measured:  # the hook's W is the closed form's (GSPO), on the step's batch
+            torch.testing.assert_close(view.W, learner.objective.modulation(view.batch))
+        m.zero_grad(set_to_none=True)

@@ -30,8 +30,7 @@ LOOP = PKG / "loop"
 TOPS = ("gradlab", "analyses")
 # the modules that measure: an integration hands its step to the instruments, which call them
 MEASURING = ("gradlab.probes.tax", "gradlab.probes.drift", "gradlab.probes.flips",
-             "gradlab.probes.fisher", "gradlab.probes.residuals", "gradlab.probes.variance",
-             "gradlab.integrations.trl.tax")
+             "gradlab.probes.fisher", "gradlab.probes.residuals", "gradlab.probes.variance")
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:

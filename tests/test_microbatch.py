@@ -83,7 +83,7 @@ def test_micro_batched_gradient_and_w_equal_one_pass(setup, name, params):
         model.zero_grad(set_to_none=True)
         cfg = RunConfig(G=G, micro_batch=mb, progress=False)
         L = Learner(name, obj, model, None, None)
-        batch, W, ent, loss = _accumulate(L, cfg, ro, adv, rows, tot)
+        batch, W, ent, loss = _accumulate(L, cfg, ro, adv, rows=rows, norms=tot)
         for n, p in model.named_parameters():
             assert_close_f32(p.grad, ref_g[n], msg=f"micro-batch {mb}: {n}")
         assert_close_f32(W, ref_W, msg=f"micro-batch {mb}: W")

@@ -96,13 +96,13 @@ def test_recipe_smallest_size_resumes(tmp_path, monkeypatch):
     by = {(s, m): float(r["value"]) for (_, s, m), r in zip(keys, rows)}
     for step in (1, 2):
         for m in ("reward", "entropy", "completion_length", "rho_prefix", "share_trie",
-                  "tax_share", "n_nodes", "time_step", "time_sampling", "peak_rss_gib"):
+                  "tax_share", "n_shared_prefix", "time_step", "time_sampling", "peak_rss_gib"):
             assert (step, m) in by, (step, m)
         assert 0 < by[(step, "completion_length")] <= 8
         assert by[(step, "time_sampling")] < by[(step, "time_step")]
         assert 0.0 <= by[(step, "reward")] <= 1.0
         # a tied group (1 prompt, rewards equal) has no gradient: its ratios stay NaN, never 0
-        if by[(step, "reward")] in (0.0, 1.0) or by[(step, "n_nodes")] == 0:
+        if by[(step, "reward")] in (0.0, 1.0) or by[(step, "n_shared_prefix")] == 0:
             assert math.isnan(by[(step, "rho_prefix")]) and math.isnan(by[(step, "tax_share")])
     assert {s for s, m in by if m == "heldout_acc"} == {0, 1, 2}
 
@@ -162,9 +162,10 @@ def test_study_figure_keeps_undefined_undefined(tmp_path):
         for step in (1, 2, 3, 4):
             rho = nan if obj == "gspo" else 0.1 * step  # GSPO: no full-group token anywhere
             rows += [(obj, step, "reward", 0.25 * k if step % 2 else nan),
-                     (obj, step, "rho_prefix", rho), (obj, step, "nodes_prefix", 0 if obj == "gspo" else 2),
+                     (obj, step, "rho_prefix", rho),
+                     (obj, step, "n_shared_prefix", 0 if obj == "gspo" else 2),
                      (obj, step, "time_step", 10.0), (obj, step, "time_sampling", 4.0 * (step % 2)),
-                     (obj, step, "time_probes", 0.0), (obj, step, "time_tax", 1.0),
+                     (obj, step, "time_probes", 0.0),
                      (obj, step, "peak_rss_gib", 5.0)]
         with (runs / obj / "real_trl.csv").open("w") as f:
             f.write("objective,step,metric,value\n" + "".join(f"{a},{b},{c},{d}\n" for a, b, c, d in rows))
@@ -181,7 +182,7 @@ def test_study_figure_keeps_undefined_undefined(tmp_path):
     assert "old" not in page and "| ρ full group | GSPO | — | — |" in page
     assert "| ρ full group | TRL default (token) | 0.15 (2) | 0.35 (2) |" in page
     assert meta["table"]["counts"]["reward"]["dfpo"] == [1, 1]
-    assert "| GSPO | 10.0 | 4.0 | 0.000 | 1.0 | 10 % | 5.00 |" in page
+    assert "| GSPO | 10.0 | 4.0 | 0.000 | — | — | 5.00 |" in page  # the tax is in the probes
     assert (figs / "real_trl.png").stat().st_size > 10_000
 
 

@@ -111,7 +111,7 @@ def test_truncated_completions_stay_in_the_nodes_with_W_zero(tmp_path):
     assert bool((w.W[truncated] == 0).all()) and bool((w.W[~truncated] != 0).any())
     sn = shared_nodes(w.batch, "prefix")
     assert bool((sn.node[truncated] >= 0).any())  # truncated rows are members of full-group nodes
-    assert w.metrics["nodes_prefix"] == sn.n
+    assert w.metrics["n_shared_prefix"] == int((sn.node >= 0).sum())  # one optimizer step
     # gradlab's closed form on the same batch: W from the loss tokens, ρ at every sampled token
     W_cf = trl_audit.closed_form("dr_grpo", "token", tr.args).modulation(
         w.batch.replace(mask=w.loss_mask))
@@ -209,7 +209,7 @@ def test_reconstructed_groups_are_the_true_groups(tmp_path):
         assert torch.equal(w.batch.group, torch.arange(B) // G)
         sums = torch.zeros(B // G).index_add_(0, w.batch.group, w.batch.advantages)
         assert sums.abs().max() < 1e-4  # Σ A = 0 in every group
-        assert w.metrics["split_groups"] > 0  # TRL's shuffle spreads groups over the steps
+        assert w.metrics["split_share"] > 0  # TRL's shuffle spreads groups over the steps
     # the group tag travelled with the rows through TRL's shuffle and split
     prompts = tr._gl_gen["prompt_ids"]
     for g in range(B // G):
@@ -220,7 +220,7 @@ def test_dr_grpo_on_policy_cancels_and_logs(tmp_path):
     tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=3)
     pooled = pool_windows(tr.gradlab_windows)
     assert pooled["rho"] < 1e-5 and pooled["rho_trie"] < 1e-5
-    assert all(w.metrics["nodes_prefix"] > 0 for w in tr.gradlab_windows)
+    assert all(w.metrics["n_shared_prefix"] > 0 for w in tr.gradlab_windows)
     # metrics in TRL's own logs and in a run store that load_run reads
     assert any("gradlab/rho_prefix" in h for h in tr.state.log_history)
     df = gradlab.load_run(tmp_path / "store")
@@ -244,13 +244,45 @@ def test_sequence_is_off_policy_does_not_cancel(tmp_path):
     assert pooled["split"] > 0
 
 
+def test_rho_is_per_optimizer_step_on_the_steps_rows(tmp_path):
+    """TRL's row shuffle cuts groups over 4 optimizer steps: the window's ρ pools the steps',
+    each over the nodes of that step's rows with a group's rows in the step as its group
+    (Σ_k residual_k / Σ_k mass_k), as gradlab's loop computes ρ of one optimizer step."""
+    from gradlab.core.cancellation import cancellation
+
+    tr = run(tmp_path, "grpo", "sequence", spg=4, gens=1, lr=3e-3)
+    w = tr.gradlab_window
+    assert w.metrics["split_share"] > 0
+    res = mass = scale = n_shared = 0.0
+    for k in torch.unique(w.opt):
+        rows = (w.opt == k).nonzero().squeeze(-1)
+        b = w.batch
+        sub = TokenBatch(tokens=b.tokens[rows], mask=b.mask[rows], logps=b.logps[rows],
+                         old_logps=b.old_logps[rows], advantages=b.advantages[rows],
+                         group=torch.unique(b.group[rows], return_inverse=True)[1])
+        c = cancellation(w.W[rows], sub)
+        res, mass = res + c.residual, mass + c.mass
+        scale += float(c.coef.scale.sum())  # ρ's normaliser
+        n_shared += int((c.coef.sn.node >= 0).sum())
+    assert w.metrics["n_shared_prefix"] == n_shared > 0
+    assert w.metrics["mass_prefix"] == pytest.approx(mass, rel=1e-5)
+    assert w.metrics["rho_prefix"] == pytest.approx(res / scale, rel=1e-4)
+
+
 def test_dfpo_drop_in_cancels_with_groups_whole(tmp_path):
+    """DFPO: ρ of the transformed W, per optimizer step, is round-off; the base (GSPO) W of the
+    same rows does not cancel; every loss call holds whole groups."""
+    from gradlab.core.batch import split_share
+    from gradlab.core.cancellation import cancellation
+
     gl = GradlabConfig(store=None, dfpo="orth", keep_windows=True)
     tr = run(tmp_path, "grpo", "sequence", spg=4, gens=1, lr=3e-3, gl=gl)
     w = tr.gradlab_window
-    assert w.metrics["rho_prefix"] < 1e-5 and w.metrics["rho_prefix_step"] < 1e-5
-    assert w.metrics["rho_prefix_base"] > 0.01  # the base (GSPO) gradient did not cancel
-    assert w.metrics["split_groups_micro"] == 0  # every loss call held whole groups
+    assert w.metrics["rho_prefix"] < 1e-5
+    # groups whole in each step: the window's nodes are the steps' nodes
+    assert split_share(w.batch.group, w.micro) == 0 and w.metrics["split_share"] == 0
+    assert cancellation(w.W_base, w.batch).ratio > 0.01  # the base (GSPO) gradient
+    assert cancellation(w.W, w.batch).ratio < 1e-5
     assert torch.equal(w.batch.group, torch.arange(w.batch.tokens.shape[0]) // G)
 
 
@@ -379,9 +411,9 @@ def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
     monkeypatch.setattr(trl_audit_setup, "dataset_and_reward", tied)
     tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1)
     m = tr.gradlab_window.metrics
-    assert m["zero_std_share"] == 1 and m["nodes_prefix"] > 0 and m["mass_prefix"] == 0
+    assert m["zero_std_share"] == 1 and m["n_shared_prefix"] > 0 and m["mass_prefix"] == 0
     assert m["residual_prefix"] == 0 and m["mass_trie"] == 0
-    for k in ("rho_prefix", "rho_prefix_step", "rho_trie"):
+    for k in ("rho_prefix", "rho_trie"):
         assert math.isnan(m[k]), k
     assert not any("gradlab/rho_prefix" in h for h in tr.state.log_history)  # no 0, no NaN
     assert any(h.get("gradlab/mass_prefix") == 0 for h in tr.state.log_history)
@@ -394,10 +426,12 @@ def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
 
 def test_window_without_a_full_group_token_has_undefined_rho():
     """Every response of each group starts differently: no full-group node, ρ undefined (NaN)
-    at full-group nodes while the trie, with shared pairs, is measured."""
+    at full-group nodes while the trie, with shared pairs, is measured (the `residual`
+    instrument TRL runs, reduced as the trainer reduces an optimizer step's readings)."""
     import math
 
-    from gradlab.integrations.trl.window import window_metrics
+    from gradlab.instruments import Residual, reduce_readings
+    from gradlab.instruments.host import HostView
 
     tokens = torch.tensor([[1, 5, 6], [2, 5, 6], [3, 7, 8], [3, 7, 9]])
     b = TokenBatch(tokens=tokens, mask=torch.ones(4, 3, dtype=torch.bool),
@@ -405,7 +439,9 @@ def test_window_without_a_full_group_token_has_undefined_rho():
                    advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
                    group=torch.tensor([0, 0, 0, 0]))
     W = b.advantages[:, None].expand(4, 3) / 12
-    m = window_metrics(b, W, torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))
-    assert m["nodes_prefix"] == 0 and math.isnan(m["rho_prefix"]) and math.isnan(m["rho_prefix_step"])
+    inst = Residual()
+    m = reduce_readings([inst.measure(HostView(batch=b, W=W))], inst.quantities(),
+                        {"n_tokens": 12.0})
+    assert m["n_shared_prefix"] == 0 and math.isnan(m["rho_prefix"])
     # rows 2 and 3 share "3 7" with A = +1 and −1: a trie node whose W sums to 0, so ρ = 0
-    assert m["nodes_trie"] > 0 and m["mass_trie"] > 0 and m["rho_trie"] == 0.0
+    assert m["n_shared_trie"] > 0 and m["mass_trie"] > 0 and m["rho_trie"] == 0.0

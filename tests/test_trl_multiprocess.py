@@ -106,7 +106,7 @@ def test_two_processes_equal_one(runs, case):
     # tokens: the loss tokens of every process, as many as in the gathered windows' masks
     masks = [int(wa[f"{k}/mask"].sum()) for k in sorted({int(k.split("/")[0]) for k in wa})]
     assert list(sb["tokens"]) == list(np.cumsum(masks))
-    assert {"mass_prefix", "residual_prefix", "residual_prefix_step"} <= set(sa.columns)
+    assert {"mass_prefix", "residual_prefix", "rho_prefix", "split_share"} <= set(sa.columns)
     # the token traces (what gradlab view shows) carry the same W
     ta, tb = (gradlab.load_traces(r / "store").sort_values(["step", "group", "row", "position"])
               for r in (one, two))

@@ -4,39 +4,39 @@
     python -m analyses.benchmarks.bench_probes --quick    # small sizes (used by the tests)
 
 Same batch, same objective (GSPO), same model, measured side by side and interleaved:
-  bare   forward → loss → backward → clip → AdamW step (what a trainer does)
-  loop   gradlab's own step with --no-probes: bare + the per-token entropy every step logs
-         (from the log-softmax's own logits chunk: one dot product per token, no gradient),
-         the non-finite guard and the micro-batch bookkeeping
-  cheap  + hook-measured W, W deviation from closed form, residuals at prefix and trie nodes,
-         entropy, drift at the step's shared nodes (gradlab's every-step tier)
-  traced cheap + the token traces of 2 groups written to Parquet (a step the loop traces:
-         every `--trace-every` rollout steps; amortised share = (traced − cheap) / trace_every)
-  heavy  + parameter-space tax g_tax (one extra backward), mechanism attribution, drift at
-         every position (the scheduled tier, `--tax-every`)
-Prints medians (s) and the ratios to bare.
+  bare     forward → loss → backward → clip → AdamW step (what a trainer does, no gradlab code)
+  off      gradlab's own step, `RunConfig(instruments="off")`: bare + the per-token entropy
+           every step logs, the non-finite guard, the micro-batch bookkeeping, and the step's
+           metrics reduced to floats (`StepMetrics.finish`, as a rollout step of one optimizer step)
+  cheap    `instruments="cheap"`: + hook-measured W, its deviation from the closed form, residuals
+           at the full-group and trie nodes (every step)
+  default  `instruments="default"`: cheap + drift at the step's nodes (every step); at a step
+           where its every-5th instruments are due (`default@5`) + the learning tax (one extra
+           backward), mechanism attribution and drift at divergent tokens
+  full     default + the token-flip ledger (every 5th step: `full@5`)
+Prints medians (s) and the ratios to bare, CPU time and wall.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 
 import torch
 
 import gradlab
 from gradlab import objectives
+from gradlab.instruments import PRESETS
 from gradlab.loop.config import RunConfig
 from gradlab.loop.numerics.logprobs import token_logps
 from gradlab.loop.rollouts.rollout import Rollout
-from gradlab.loop.runs.traces import TraceWriter
 from gradlab.loop.scale.dist import Dist
 from gradlab.loop.setup.policy import build_tokenizer, load_policy, n_params, new_model
 from gradlab.loop.train import Learner
 from gradlab.loop.update.metrics import StepMetrics
-from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
+from gradlab.loop.update.step import StepWork, optimizer_step
+from gradlab.loop.update.view import loop_instruments
 
 
 def make_rollout(vocab: int, groups: int, G: int, T: int, seed: int = 0) -> Rollout:
@@ -63,24 +63,30 @@ def bare_step(L: Learner, ro: Rollout, adv: torch.Tensor) -> None:
     L.opt.zero_grad(set_to_none=True)
 
 
-def step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.Tensor,
-         acc: StepMetrics, heavy: bool) -> None:
-    """The loop's optimizer step at rollout step 0 (heavy: every scheduled instrument is due,
-    with tax_every = 5) or 1 (the every-step instruments only)."""
-    optimizer_step(L, cfg, StepWork(ro, adv, rows, 0 if heavy else 1), acc, loop_instruments(cfg),
-                   Dist())
+def step(L: Learner, cfg: RunConfig, ro: Rollout, adv: torch.Tensor, rows: torch.Tensor, *,
+         acc: StepMetrics, scheduled: bool, instruments=None) -> None:
+    """The loop's optimizer step at rollout step 0 (`scheduled`: every instrument of the set is
+    due, the presets' every-`tax_every` ones included) or 1 (the every-step instruments only)."""
+    optimizer_step(L, cfg, StepWork(ro, adv, rows, 0 if scheduled else 1), acc,
+                   loop_instruments(cfg) if instruments is None else instruments, Dist())
 
 
-def traced_step(L: Learner, cfg, ro, adv, rows, tracer) -> None:
-    """The cheap tier on a traced step: the loop's tracer records and writes 2 groups."""
-    L.tracer = tracer
-    tracer.begin(L.name, 0)
-    step(L, cfg, ro, adv, rows, StepMetrics(), heavy=False)
-    tracer.end()
-    L.tracer = None
+# the tiers: (name, preset, scheduled step?) — the every-step cost of each preset, and the step
+# where the presets' every-5th instruments (tax, attribution, divergent drift, flips) are due.
+# "full" between its scheduled steps runs default's every-step set (flips is every-5th only),
+# so only its scheduled step is a tier of its own.
+TIERS: tuple[tuple[str, str, bool], ...] = (
+    ("off", "off", False), ("cheap", "cheap", False), ("default", "default", False),
+    ("default@5", "default", True), ("full@5", "full", True))
 
 
-def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[str, float]:
+def bench(model, groups: int, G: int, T: int, repeats: int, tok=None,
+          tiers: tuple[tuple[str, str, bool], ...] = TIERS) -> dict[str, float]:
+    """Medians (s) of the bare optimizer step and of the loop's step under each instrument
+    preset (`gradlab.instruments.PRESETS`, built as `RunConfig(instruments=preset)`), on one
+    batch of groups × G rows × T tokens, interleaved repeat by repeat. Keys: "<tier>" wall
+    medians, "cpu_<tier>" CPU-time medians (user + sys of this process), "min_<tier>" wall
+    minima, "probes_phase_<tier>" the step's own `time_probes` (wall s in the instruments' code)."""
     vocab = model.config.vocab_size
     ro = make_rollout(vocab, groups, G, T)
     with torch.no_grad():  # behaviour log-probs a little off the current policy
@@ -89,43 +95,52 @@ def bench(model, groups: int, G: int, T: int, repeats: int, tok=None) -> dict[st
     adv = gradlab.advantages(torch.randint(0, 2, (ro.group.numel(),)).float(), ro.group)
     L = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
                 torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
-    cfg = RunConfig(progress=False, drift=True)
-    off = RunConfig(progress=False, probes=False)
     rows = torch.arange(ro.group.numel())
-    tracer = TraceWriter(tempfile.mkdtemp(prefix="bench_traces"), 1, cfg.trace_groups, tok)
-    phase: dict[str, list[float]] = {"cheap": [], "heavy": []}
+    phase: dict[str, list[float]] = {name: [] for name, _, _ in tiers}
 
-    def probed(heavy: bool) -> None:
-        """The instrumented step; keeps its own `time_probes` (s spent in the probes' code:
-        readings, drift forwards, tax) — a within-step share, robust to a loaded machine."""
-        acc = StepMetrics()
-        step(L, cfg, ro, adv, rows, acc, heavy)
-        phase["heavy" if heavy else "cheap"].append(acc.times.get("time_probes", 0.0))
+    def tier(name: str, preset: str, scheduled: bool):
+        cfg = RunConfig(progress=False, instruments=preset)
+        inst = loop_instruments(cfg)  # built once, as the loop builds it once per run
 
-    tiers = {
-        "bare": lambda: bare_step(L, ro, adv),
-        "loop": lambda: step(L, off, ro, adv, rows, StepMetrics(), heavy=False),
-        "cheap": lambda: probed(False),
-        "traced": lambda: traced_step(L, cfg, ro, adv, rows, tracer),
-        "heavy": lambda: probed(True),
-    }
-    times: dict[str, list[float]] = {k: [] for k in tiers}
-    cpu: dict[str, list[float]] = {k: [] for k in tiers}
-    for fn in tiers.values():
+        def run() -> None:
+            acc = StepMetrics()
+            step(L, cfg, ro, adv, rows, acc=acc, scheduled=scheduled, instruments=inst)
+            acc.finish()  # the step's metrics to floats: one rollout step of one optimizer step
+            phase[name].append(acc.times.get("time_probes", 0.0))
+        return run
+
+    fns = {"bare": lambda: bare_step(L, ro, adv)}
+    fns.update({name: tier(name, preset, sched) for name, preset, sched in tiers})
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
         fn()  # warm-up
     for _ in range(repeats):
-        for k, fn in tiers.items():
+        for k, fn in fns.items():
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-    # wall medians under the tier names; CPU-time medians (user + sys of this process, what a
-    # single-threaded step costs however contended the machine is) under "cpu_<tier>"
     out = {k: statistics.median(v) for k, v in times.items()}
     out.update({f"cpu_{k}": statistics.median(v) for k, v in cpu.items()})
     out.update({f"min_{k}": min(v) for k, v in times.items()})  # least-disturbed repeat
     out.update({f"probes_phase_{k}": statistics.median(v[1:]) for k, v in phase.items()})
     return out
+
+
+def table(t: dict[str, float], tiers: tuple[tuple[str, str, bool], ...] = TIERS) -> str:
+    """A Markdown table of `bench`'s medians: one row per tier, CPU time and wall, each over bare."""
+    lines = ["| tier | instruments | CPU time (s) | CPU / bare | wall (s) | wall / bare | "
+             "instruments' code (wall s) |", "|---|---|---:|---:|---:|---:|---:|",
+             f"| bare optimizer step | — | {t['cpu_bare']:.3f} | 1.00× | {t['bare']:.3f} | 1.00× | — |"]
+    for name, preset, sched in tiers:
+        what = ", ".join(f"{n}@{k}" if k > 1 else n for n, k in PRESETS[preset]) or "none"
+        label = "loop, instruments off" if preset == "off" else \
+            f"{preset} ({'a step where the every-5th are due' if sched else 'every step'})"
+        lines.append(f"| {label} | {what} | {t['cpu_' + name]:.3f} | "
+                     f"{t['cpu_' + name] / t['cpu_bare']:.2f}× | {t[name]:.3f} | "
+                     f"{t[name] / t['bare']:.2f}× | {t['probes_phase_' + name]:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -139,28 +154,16 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.groups, a.G, a.T, a.repeats = 4, 4, 32, 2
+    torch.set_num_threads(1)
     tok = build_tokenizer()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; batch {a.groups}×{a.G} "
-          f"sequences × {a.T} response tokens; medians of {a.repeats}")
-    print("| model | params | bare (s) | loop (s) | cheap (s) | traced (s) | heavy (s) | "
-          "loop / bare | cheap / bare | traced / bare | heavy / bare |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         model = load_policy()[0] if name == "tiny" else new_model(tok, name)
         model.train()
         t = bench(model, a.groups, a.G, a.T, a.repeats, tok)
-        print(f"| {name} | {n_params(model) / 1e6:.2f} M | {t['bare']:.3f} | {t['loop']:.3f} | "
-              f"{t['cheap']:.3f} | {t['traced']:.3f} | {t['heavy']:.3f} | "
-              f"{t['loop'] / t['bare']:.2f}× | {t['cheap'] / t['bare']:.2f}× | "
-              f"{t['traced'] / t['bare']:.2f}× | {t['heavy'] / t['bare']:.2f}× |")
-        c = {k: t[f"cpu_{k}"] for k in ("bare", "loop", "cheap", "traced", "heavy")}
-        print(f"|   CPU time | | {c['bare']:.3f} | {c['loop']:.3f} | {c['cheap']:.3f} | "
-              f"{c['traced']:.3f} | {c['heavy']:.3f} | {c['loop'] / c['bare']:.2f}× | "
-              f"{c['cheap'] / c['bare']:.2f}× | {c['traced'] / c['bare']:.2f}× | "
-              f"{c['heavy'] / c['bare']:.2f}× |")
-        print(f"  (second row: CPU-time medians of this process, less sensitive to other jobs; "
-              f"time_probes (wall, the probes' own code) {t['probes_phase_cheap']:.3f} s of the cheap step, "
-              f"{t['probes_phase_heavy']:.3f} s of the heavy one)")
+        print(f"\n{name} ({n_params(model) / 1e6:.2f} M parameters), torch {torch.__version__}, "
+              f"1 thread; {a.groups}×{a.G} sequences × {a.T} response tokens, GSPO, medians of "
+              f"{a.repeats}, interleaved\n")
+        print(table(t))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ Runners, each in its own child process (so peak RSS is per runner), interleaved 
 with the order rotated (so a change of machine load falls on every runner alike):
 
   trl           TRL's GRPOTrainer, gradlab off
-  trl+cheap     GradlabGRPOTrainer: W, ρ at full-group and trie nodes, drift (every window)
-  trl+all       the same plus the learning tax on every optimizer step (tax_every=1)
+  trl+cheap     GradlabGRPOTrainer, instruments "cheap,drift": W, ρ at full-group and trie
+                nodes, the closed-form check and the drift of every optimizer step
+  trl+all       the same plus the learning tax on every optimizer step ("tax@1")
   loop          gradlab's own loop (`gradlab.loop.train`), GRPO, probes off
   loop+all      gradlab's own loop with every probe, the tax on every rollout step
 

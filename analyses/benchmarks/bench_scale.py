@@ -7,8 +7,9 @@
 Sections: MEMORY (below) — peak RSS and time of one optimizer step at a fixed micro-batch as
 the step's number of sequences grows (target: 64 → 512 sequences ≤ 1.15× peak RSS).
 SAMPLING — ms per generated token of gradlab's rollout against `model.generate(do_sample=True)`
-on the same real-vocabulary model (target ≤ 1.3×). PROBES — cheap / bare and heavy / bare
-optimizer steps at the real vocabulary (targets ≤ 1.10× / ≤ 1.8×).
+on the same real-vocabulary model (target ≤ 1.3×). PROBES — the loop's optimizer step under each
+instrument preset (off, cheap, default, full) over the bare optimizer step at the real
+vocabulary (target: cheap ≤ 1.05×, CPU-time medians).
 
     python -m analyses.benchmarks.bench_scale sampling --hidden 256 --layers 4 --prompts 4 --tokens 64
     python -m analyses.benchmarks.bench_scale probes --hidden 256 --layers 4 --prompts 2 --tokens 64
@@ -42,7 +43,7 @@ def tiny_qwen3(vocab: int = VOCAB, hidden: int = 64, layers: int = 2, seed: int 
     return Qwen3ForCausalLM(cfg).train()
 
 
-def fake_rollout(n: int, tokens: int, G: int, prompt_len: int = 16, vocab: int = VOCAB,
+def fake_rollout(n: int, tokens: int, G: int, *, prompt_len: int = 16, vocab: int = VOCAB,
                  shared: int = 4, seed: int = 0):
     """A Rollout of n rows (n/G groups) without sampling: random prompts and responses, the
     first `shared` response tokens equal within each group (full-group nodes for the probes),
@@ -67,8 +68,8 @@ def fake_rollout(n: int, tokens: int, G: int, prompt_len: int = 16, vocab: int =
 # MEMORY: one optimizer step, peak RSS (each size in its own child process)
 # ======================================================================================== #
 
-def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, layers: int,
-                 probes: bool, objective: str) -> dict:
+def memory_child(n: int, tokens: int, *, micro_batch: int, G: int, hidden: int, layers: int,
+                 instruments: str, objective: str) -> dict:
     """One optimizer step of `objective` on n rows × `tokens` in this process; returns the peak
     RSS (MiB) after setup and after the step, and the step's wall time (s)."""
     from gradlab.core import objectives
@@ -77,21 +78,23 @@ def memory_child(n: int, tokens: int, micro_batch: int, G: int, hidden: int, lay
     from gradlab.loop.scale.dist import Dist
     from gradlab.loop.train import Learner
     from gradlab.loop.update.metrics import StepMetrics
-    from gradlab.loop.update.step import StepWork, loop_instruments, optimizer_step
+    from gradlab.loop.update.step import StepWork, optimizer_step
+    from gradlab.loop.update.view import loop_instruments
 
     model = tiny_qwen3(hidden=hidden, layers=layers)
     ro = fake_rollout(n, tokens, G)
     adv = advantages(ro.rewards, ro.group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     L = Learner(objective, objectives.get(objective), model, opt, torch.Generator())
-    cfg = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch, probes=probes,
-                    progress=False, max_new_tokens=tokens)
+    cfg = RunConfig(G=G, prompts=n // G, minibatches=1, micro_batch=micro_batch,
+                    instruments=instruments, progress=False,
+                    max_new_tokens=tokens)
     rows = torch.arange(n)
     setup = _peak_mib()
     t0 = time.perf_counter()
     optimizer_step(L, cfg, StepWork(ro, adv, rows, 1), StepMetrics(), loop_instruments(cfg),
                    Dist())  # rollout step 1: the every-step instruments, no tax
-    return {"n": n, "tokens": tokens, "micro_batch": micro_batch, "probes": probes,
+    return {"n": n, "tokens": tokens, "micro_batch": micro_batch, "instruments": instruments,
             "time_s": time.perf_counter() - t0, "peak_setup_mib": setup, "peak_mib": _peak_mib()}
 
 
@@ -106,12 +109,12 @@ def memory_table(a: argparse.Namespace) -> list[dict]:
         cmd = [sys.executable, "-m", "analyses.benchmarks.bench_scale", "_memory_child",
                "--n", str(n), "--tokens", str(a.tokens), "--micro-batch", str(a.micro_batch), "--G", str(a.G),
                "--hidden", str(a.hidden), "--layers", str(a.layers), "--objective", a.objective]
-        cmd += [] if a.probes else ["--no-probes"]
+        cmd += ["--instruments", a.instruments]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"  n={n}: {rows[-1]}", file=sys.stderr, flush=True)
     base = rows[0]
-    print(f"\nOne optimizer step ({a.objective}, probes {'on' if a.probes else 'off'}), random-init "
+    print(f"\nOne optimizer step ({a.objective}, instruments {a.instruments}), random-init "
           f"Qwen3 V={VOCAB}, hidden {a.hidden}, {a.layers} layers, {a.tokens} tokens/row, "
           f"--micro-batch {a.micro_batch}, G={a.G}\n")
     print("| sequences | peak RSS (MiB) | ratio | after setup (MiB) | step time (s) | time ratio |")
@@ -188,35 +191,37 @@ def sampling_table(a: argparse.Namespace) -> dict:
 
 
 # ======================================================================================== #
-# PROBES: cheap / bare and heavy / bare at the real vocabulary (analyses/benchmarks/bench_probes.py)
+# PROBES: each instrument preset / bare at the real vocabulary (analyses/benchmarks/bench_probes.py)
 # ======================================================================================== #
 
 def probes_table(a: argparse.Namespace) -> dict:
-    """bench_probes.bench on the real-vocabulary model: medians (s) of the bare, loop (probes
-    off), cheap, traced and heavy optimizer steps on one fake batch of groups × G rows ×
-    --tokens tokens, interleaved."""
-    from analyses.benchmarks.bench_probes import bench
+    """bench_probes.bench on the real-vocabulary model: the bare optimizer step and the loop's
+    step under each instrument preset (`RunConfig(instruments=preset)`: off, cheap, default,
+    full), on one fake batch of prompts × G rows × --tokens tokens, interleaved; a Markdown
+    table of the medians and their ratios to bare."""
+    from analyses.benchmarks.bench_probes import TIERS, bench, table
+    from gradlab.loop.setup.policy import n_params
 
     model, tok = real_vocab_model(a.hidden, a.layers)
     model.train()
-    t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok)
-    print(f"\nProbe overhead, random-init Qwen3 V={VOCAB}, hidden {a.hidden}, {a.layers} layers, "
+    names = [n for n, _, _ in TIERS]
+    if bad := sorted(set(a.tiers.split(",")) - set(names)):
+        raise SystemExit(f"bench_scale probes: --tiers {','.join(bad)} unknown; known: {','.join(names)}")
+    tiers = tuple(x for x in TIERS if x[0] in a.tiers.split(","))
+    t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok, tiers)
+    print(f"\nInstrument presets against the bare optimizer step, random-init Qwen3 V={VOCAB}, "
+          f"{n_params(model) / 1e6:.1f} M parameters (hidden {a.hidden}, {a.layers} layers), "
           f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}, "
           "interleaved; CPU time = user + sys of the (single-threaded) process\n")
-    print("| clock | bare (s) | loop, no probes (s) | cheap (s) | heavy (s) | loop / bare | "
-          "cheap / bare | traced / bare | heavy / bare | cheap / loop |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for clock, p in (("CPU time, median", "cpu_"), ("wall, median", ""), ("wall, min", "min_")):
-        b = t[p + "bare"]
-        print(f"| {clock} | {b:.2f} | {t[p + 'loop']:.2f} | {t[p + 'cheap']:.2f} | "
-              f"{t[p + 'heavy']:.2f} | {t[p + 'loop'] / b:.2f}× | {t[p + 'cheap'] / b:.2f}× | "
-              f"{t[p + 'traced'] / b:.2f}× | {t[p + 'heavy'] / b:.2f}× | "
-              f"{t[p + 'cheap'] / t[p + 'loop']:.2f}× |")
-    pc, ph = t["probes_phase_cheap"], t["probes_phase_heavy"]
-    print(f"\nprobes' own code inside the step (time_probes, wall): cheap {pc:.2f} s = "
-          f"{pc / t['cheap']:.1%} of its step; heavy {ph:.2f} s = {ph / t['heavy']:.1%}")
-    print(f"\nall medians (s): {jsonio.dumps({k: round(v, 3) for k, v in t.items()})}")
+    print(table(t, tiers))
+    print(f"\nall medians (s): {jsonio.dumps({k: round(v, 4) for k, v in t.items()})}")
     return t
+
+
+def _tiers():
+    from analyses.benchmarks.bench_probes import TIERS
+
+    return TIERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,14 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--objective", default="gspo")
-    p.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--instruments", default="default", help="memory: the instrument preset or spec")
     p.add_argument("--prompts", type=int, default=4, help="sampling/probes: prompts (groups)")
     p.add_argument("--repeats", type=int, default=3, help="sampling/probes: timed repeats")
+    p.add_argument("--tiers", default=",".join(n for n, _, _ in _tiers()),
+                   help="probes: which tiers beside bare (default: all)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.what == "_memory_child":
-        print(jsonio.dumps(memory_child(a.n, a.tokens, a.micro_batch, a.G, a.hidden, a.layers,
-                                      a.probes, a.objective)))
+        print(jsonio.dumps(memory_child(a.n, a.tokens, micro_batch=a.micro_batch, G=a.G,
+                                        hidden=a.hidden, layers=a.layers,
+                                        instruments=a.instruments, objective=a.objective)))
         return 0
     {"memory": memory_table, "sampling": sampling_table, "probes": probes_table}[a.what](a)
     return 0

@@ -10,7 +10,8 @@ jobs hits all of them alike; a warm-up round is not counted:
   gradlab        gradlab.loop.train.train(RunConfig(..., instruments="off")): trainer metrics only
   gradlab+probes the same with the default probes (drift every step, tax every 5 rollouts)
   trl            trl.GRPOTrainer
-  trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ, run store every window)
+  trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer, instruments "cheap" (W, ρ and
+                 the closed-form check every optimizer step; the run store every window)
 
 Both run with the same torch thread count (default 1, see --threads).
 Time = the training loop only, setup excluded (gradlab: Σ over `gradlab.loop.train.rollout_step`
@@ -88,7 +89,7 @@ def run_trl(a, rollouts: int, instrumented: bool, tmp: str) -> dict:
         args = grpo_args("dapo", "token", a.minibatches, rollouts * a.minibatches,
                          os.path.join(tmp, "trl"), prompts=a.prompts, G=a.G, lr=a.lr,
                          seed=a.seed, logging_steps=a.minibatches)
-        gl = GradlabConfig(store=os.path.join(tmp, "trl", "gradlab"))
+        gl = GradlabConfig(store=os.path.join(tmp, "trl", "gradlab"), instruments="cheap")
         tr = make_trainer(args, WORKLOADS["arithmetic"], gl, instrumented=instrumented,
                           n_prompts=a.prompts * rollouts)
         count = {"tokens": 0}

@@ -11,7 +11,8 @@ accumulation 1), one torch thread. Loss: gradlab "grpo" (token-mean PPO-clip) vs
   gradlab+probes the same with the default probes (W, residuals, drift every step, probe set;
                  the tax on rollout 0, the warm-up)
   trl            trl.GRPOTrainer
-  trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer (W, ρ and the run store)
+  trl+gradlab    gradlab.integrations.trl.GradlabGRPOTrainer, instruments "cheap" (W, ρ and
+                 the closed-form check every optimizer step; the run store)
 
 Optimizer steps/s (wall, and per CPU second of the single-threaded child): rollouts 2..R of the training loop (rollout = sampling + its optimizer
 steps; the first rollout is a warm-up and not counted; setup, checkpoints and evaluation are
@@ -107,7 +108,8 @@ def run_trl(a: argparse.Namespace, folder: str, instrumented: bool, tmp: str,
     ds, reward = dataset_and_reward(WORKLOADS["arithmetic"], a.prompts * a.rollouts, a.seed)
     kw = {"model": model, "reward_funcs": reward, "args": args, "train_dataset": ds,
           "processing_class": tok}
-    tr = (GradlabGRPOTrainer(**kw, gradlab=GradlabConfig(store=os.path.join(tmp, "store")))
+    tr = (GradlabGRPOTrainer(**kw, gradlab=GradlabConfig(store=os.path.join(tmp, "store"),
+                                                          instruments="cheap"))
           if instrumented else GRPOTrainer(**kw))
     tr.remove_callback(PrinterCallback)
     clock = Clock()

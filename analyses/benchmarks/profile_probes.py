@@ -1,6 +1,6 @@
-"""Where a probed optimizer step's time goes at the real vocabulary: cProfile of a
-bare step and a cheap-tier step on the random-init V = 151,936 Qwen3 of bench_scale, then
-torch.profiler's op table of each.
+"""Where an instrumented optimizer step's time goes at the real vocabulary: cProfile of a
+bare step and of the loop's step under instrument presets (default: off and cheap) on the
+random-init V = 151,936 Qwen3 of bench_scale, then torch.profiler's op table of each.
 
     OMP_NUM_THREADS=1 python -m analyses.benchmarks.profile_probes --hidden 64 --layers 2
 """
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--presets", default="off,cheap", help="instrument presets to profile")
+    ap.add_argument("--top", type=int, default=30, help="cProfile rows per step")
     a = ap.parse_args()
     torch.set_num_threads(1)
     model, _ = real_vocab_model(a.hidden, a.layers)
@@ -49,10 +51,20 @@ def main() -> None:
     adv = gradlab.advantages(torch.randint(0, 2, (n,)).float(), ro.group)
     L = Learner("gspo", objectives.get("gspo", eps=(0.2, 0.2)), model,
                 torch.optim.AdamW(model.parameters(), lr=1e-6), torch.Generator())
-    cfg, rows = RunConfig(progress=False), torch.arange(n)
-    steps = {"bare": lambda: bp.bare_step(L, ro, adv),
-             "cheap": lambda: optimizer_step(L, cfg, StepWork(ro, adv, rows, 1), StepMetrics(),
-                                             loop_instruments(cfg), Dist())}  # step 1: no tax
+    rows = torch.arange(n)
+
+    def loop(preset: str):
+        cfg = RunConfig(progress=False, instruments=preset)
+        inst = loop_instruments(cfg)
+
+        def run() -> None:  # rollout step 1: the every-step instruments; then its metrics
+            acc = StepMetrics()
+            optimizer_step(L, cfg, StepWork(ro, adv, rows, 1), acc, inst, Dist())
+            acc.finish()
+        return run
+
+    steps = {"bare": lambda: bp.bare_step(L, ro, adv)}
+    steps.update({p: loop(p) for p in a.presets.split(",")})
     for fn in steps.values():
         fn()  # warm-up
     for name, fn in steps.items():
@@ -60,7 +72,7 @@ def main() -> None:
         t0 = time.perf_counter()
         pr.runcall(fn)
         s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(a.top)
         print(f"===== {name}: {time.perf_counter() - t0:.2f} s wall\n{s.getvalue()}")
     for name, fn in steps.items():
         with profile(activities=[ProfilerActivity.CPU]) as p:

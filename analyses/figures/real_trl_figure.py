@@ -34,7 +34,13 @@ TABLE = (("reward", "reward", "mean"), ("heldout_acc", "held-out acc", "last"),
          ("share_prefix", "W share, full group", "mean"), ("share_trie", "W share, trie", "mean"),
          ("rho_prefix", "ρ full group", "mean"), ("rho_trie", "ρ trie", "mean"),
          ("drift_node_dlogp", "drift at full-group tokens", "mean"),
+         ("drift_node_dlogp_mean", "drift of full-group tokens per optimizer step", "mean"),
          ("tax_share", "‖g_tax‖/‖g‖", "mean"))
+# Runs of examples/real_trl.py log gradlab's instrument names: `n_shared_prefix`, and
+# `drift_node_dlogp_mean` (how one optimizer step moved a full-group token), with no separate
+# tax timing. A recipe CSV of the earlier window-level figures holds `nodes_prefix`,
+# `drift_node_dlogp` (l_used − l_old over the generation batch) and `time_tax`; both render, a
+# metric a CSV lacks is left out of the table.
 
 
 def load(runs: Path) -> tuple[pd.DataFrame, list[dict]]:
@@ -64,9 +70,9 @@ def wide(df: pd.DataFrame) -> pd.DataFrame:
     """(objective, step) × metric, with has_prefix = 1 where a full-group token exists."""
     w = df.pivot_table(index=["objective", "step"], columns="metric", values="value",
                        aggfunc="first", dropna=False)
-    if "nodes_prefix" in w:
-        w["has_prefix"] = np.where(w["nodes_prefix"].isna(), np.nan,
-                                   (w["nodes_prefix"] > 0).astype(float))
+    count = next((c for c in ("n_shared_prefix", "nodes_prefix") if c in w), None)
+    if count is not None:
+        w["has_prefix"] = np.where(w[count].isna(), np.nan, (w[count] > 0).astype(float))
     return w
 
 
@@ -108,7 +114,8 @@ def table(w: pd.DataFrame, size: int = 20) -> tuple[str, dict]:
 def times(w: pd.DataFrame) -> tuple[str, dict]:
     """Where a step's time went, per objective: medians over steps of the step, its sampling
     (generation steps), gradlab's window probes and the tax probe (seconds), and the tax probe's
-    share of the step (median of the per-step ratio)."""
+    share of the step (median of the per-step ratio; "—" for a run that times the tax within
+    gradlab's probes, with no `time_tax`)."""
     out, lines = {}, ["| objective | step (s) | sampling, generation steps (s) | window probes (s) | "
                       "tax probe (s) | tax probe / step | peak RSS (GiB) |",
                       "|---|---:|---:|---:|---:|---:|---:|"]
@@ -117,14 +124,16 @@ def times(w: pd.DataFrame) -> tuple[str, dict]:
             continue
         d = w.loc[obj]
         samp = d["time_sampling"][d["time_sampling"] > 0]
+        tax = d["time_tax"] if "time_tax" in d else pd.Series(math.nan, index=d.index)
         r = {"step": d["time_step"].median(), "sampling": samp.median(),
-             "probes": d["time_probes"].median(), "tax": d["time_tax"].median(),
-             "tax_of_step": (d["time_tax"] / d["time_step"]).median(),
+             "probes": d["time_probes"].median(), "tax": tax.median(),
+             "tax_of_step": (tax / d["time_step"]).median(),
              "peak_rss_gib": d["peak_rss_gib"].max()}
         out[obj] = {k: float(v) for k, v in r.items()}
+        t = "—" if math.isnan(r["tax"]) else f"{r['tax']:.1f}"
+        ts = "—" if math.isnan(r["tax_of_step"]) else f"{100 * r['tax_of_step']:.0f} %"
         lines.append(f"| {OBJECTIVES[obj]} | {r['step']:.1f} | {r['sampling']:.1f} | "
-                     f"{r['probes']:.3f} | {r['tax']:.1f} | {100 * r['tax_of_step']:.0f} % | "
-                     f"{r['peak_rss_gib']:.2f} |")
+                     f"{r['probes']:.3f} | {t} | {ts} | {r['peak_rss_gib']:.2f} |")
     return "\n".join(lines) + "\n", out
 
 
@@ -140,7 +149,8 @@ def figure(w: pd.DataFrame, path: Path) -> None:
               ("share_prefix", "share_trie", "W share: full group (line) · trie (dashed)", False),
               ("rho_prefix", "rho_trie", "ρ: full group (line) · trie (dashed)", True),
               ("tax_share", None, "‖g_tax‖ / ‖g‖", False),
-              ("drift_node_dlogp", None, "drift at full-group tokens (Δ log-prob)", False))
+              ("drift_node_dlogp_mean" if "drift_node_dlogp_mean" in w else "drift_node_dlogp",
+               None, "drift at full-group tokens (Δ log-prob)", False))
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     axes = axes.ravel()
     colors = dict(zip(OBJECTIVES, ("tab:gray", "tab:blue", "tab:orange")))

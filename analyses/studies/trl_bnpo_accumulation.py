@@ -2,7 +2,7 @@
 
 One optimizer step per generation batch (on-policy: steps_per_generation =
 gradient_accumulation_steps = k), the batch cut into k loss calls after TRL's row shuffle, so
-a group's rows land in different micro-batches (`split_groups_micro`). `bnpo` normalises each
+a group's rows land in different micro-batches (the share of such groups: `split_micro`). `bnpo` normalises each
 loss call by *its own* token count, so rows of one group get different weights when k > 1;
 `dapo` (tokens of the whole accumulated batch) and `dr_grpo` (a constant) do not. W is
 hook-measured on TRL's own loss; ρ at full-group nodes of the whole optimizer step (all its
@@ -26,6 +26,7 @@ from gradlab.integrations.trl import GradlabConfig
 
 def measure(loss_type: str, k: int, workload: str, gens: int, seed: int) -> dict:
     """Pooled and per-step ρ over `gens` optimizer steps of k accumulated micro-batches."""
+    from gradlab.core.batch import split_share
     from gradlab.core.cancellation import cancellation
     from gradlab.core.nodes import shared_nodes
 
@@ -40,7 +41,7 @@ def measure(loss_type: str, k: int, workload: str, gens: int, seed: int) -> dict
         c = cancellation(w.W, w.batch, sn=shared_nodes(w.batch, "prefix"))
         res, mass = res + c.residual, mass + c.mass
         per_step.append(c.ratio)
-        split.append(w.metrics["split_groups_micro"])
+        split.append(split_share(w.batch.group, w.micro))  # groups over loss calls
     defined = [r for r in per_step if r == r]  # NaN: a step with no gradient at its nodes
     return {"loss_type": loss_type, "accumulation": k, "workload": workload,
             "rho": res / mass if mass > 0 else math.nan,

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .batch import ADVANTAGE_SCALES, group_index
-from .nodes import prefix_grid
+from .nodes import PrefixGrid, prefix_grid
 
 FORMS = ("ga", "la", "ga+la", "togo")
 REWEIGHTS = ("none", "sqrt")
@@ -86,10 +86,12 @@ def trie_values(tokens: Tensor, mask: Tensor, group: Tensor, rewards: Tensor) ->
                       pg.to_rows(p_size * live))
 
 
-def branch_tokens(tokens: Tensor, mask: Tensor, group: Tensor) -> Tensor:
+def branch_tokens(tokens: Tensor, mask: Tensor, group: Tensor,
+                  grid: PrefixGrid | None = None) -> Tensor:
     """(B, T) bool — tokens whose parent node branches: some row of the parent's node (the
-    root, at t = 0) took another token there. Where the group's paths part."""
-    pg = prefix_grid(tokens, mask, group)
+    root, at t = 0) took another token there. Where the group's paths part. grid: the rows'
+    `prefix_grid` when the caller has it already."""
+    pg = prefix_grid(tokens, mask, group) if grid is None else grid
     n, G, _ = pg.shape
     parent = torch.cat([pg.sizes.view(n, 1, 1).expand(n, G, 1), pg.count[..., :-1]], -1)
     return pg.to_rows((pg.count > 0) & (pg.count < parent))

@@ -149,17 +149,19 @@ def prefix_grid(tokens: Tensor, mask: Tensor, group: Tensor) -> PrefixGrid:
     return PrefixGrid(slot, sizes, lcp_c, count, first)
 
 
-def shared_nodes(batch: TokenBatch, nodes: str = "prefix") -> SharedNodes:
+def shared_nodes(batch: TokenBatch, nodes: str = "prefix",
+                 grid: PrefixGrid | None = None) -> SharedNodes:
     """Find the shared-token nodes of a batch (docs/concepts/shared-nodes.md).
 
     nodes="prefix": full-group nodes only (all rows of the group agree up to t);
     nodes="trie": every node of each group's prefix trie with ≥ 2 members (prefix nodes included).
+    grid: the batch's `prefix_grid`, when the caller has it already (computed here otherwise).
     """
     if nodes not in NODE_KINDS:
         raise ValueError(f"shared_nodes: unknown nodes={nodes!r}; valid: {NODE_KINDS}")
     B, T = batch.tokens.shape
     dev = batch.tokens.device
-    pg = prefix_grid(batch.tokens, batch.mask, batch.group)
+    pg = prefix_grid(batch.tokens, batch.mask, batch.group) if grid is None else grid
     slot, sizes, count, first = pg.slot, pg.sizes, pg.count, pg.first
     n_groups, g_max, _ = pg.shape
     gid, _ = group_index(batch.group)

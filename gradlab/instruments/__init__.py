@@ -12,7 +12,7 @@ case). gradlab's loop, the TRL trainer and verl's actor run the same objects.
     class Spread(gi.Instrument): ...       # your own (docs/guides/own-instrument.md)
 """
 
-from .base import NEEDS, Derived, Instrument, Ratio, Readings, check_needs, div, reduce_readings
+from .base import NEEDS, Derived, Instrument, Ratio, Readings, check_needs, div
 from .builtin import (
     Attribution,
     DivergentDrift,
@@ -25,12 +25,13 @@ from .builtin import (
     Tax,
     residual_sums,
 )
+from .reduce import Reduction, reduce_readings
 from .registry import PRESETS, available, register, resolve
 from .schedule import Schedule
 from .set import InstrumentSet
 
 __all__ = [
-    "NEEDS", "PRESETS", "Attribution", "Derived", "DivergentDrift", "Drift", "Fisher", "Flips", "Instrument",
+    "NEEDS", "PRESETS", "Reduction", "Attribution", "Derived", "DivergentDrift", "Drift", "Fisher", "Flips", "Instrument",
     "InstrumentSet", "Modulation", "Ratio", "Readings", "Residual", "SameBatch", "Schedule", "Tax",
     "available", "check_needs", "div", "reduce_readings", "register", "resolve", "residual_sums",
 ]

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
 from .schedule import Schedule
 
 # what a host can hand an instrument (`view.<name>`), and which host gives it
@@ -150,36 +148,6 @@ class Instrument:
         s = self.schedule
         when = "off" if not s.enabled else f"every {s.every}" + (f", first {s.first}" if s.first else "")
         return f"<instrument {self.name} ({when})>"
-
-
-def reduce_readings(parts: list[Readings], quantities: list | None = None,
-                    extra: dict | None = None) -> dict[str, float]:
-    """One process's reduction of several steps' `Readings` into metrics (floats, float64):
-    sums add, maxima max, means average over the steps where they are defined (NaN where none
-    is); then `quantities` (their ratios NaN where the denominator is 0). `extra`: totals
-    the ratios may divide by (e.g. n_tokens). gradlab's loop does the same over data-parallel
-    ranks (`gradlab.loop.update.metrics.StepMetrics`)."""
-    totals: dict[str, float] = dict(extra or {})
-    pooled: dict[str, list[float]] = {}
-    for r in parts:
-        for k, v in r.sums.items():
-            totals[k] = totals.get(k, 0.0) + _f64(v)
-        for k, v in r.maxes.items():
-            old, new = totals.get(k, -math.inf), _f64(v)
-            totals[k] = math.nan if math.isnan(old) or math.isnan(new) else max(old, new)
-        for k, (v, defined) in r.means.items():
-            a, n = pooled.get(k, (0.0, 0))
-            ok = defined is None or bool(defined)
-            pooled[k] = (a + _f64(v), n + 1) if ok else (a, n)
-    totals.update({k: a / n if n else math.nan for k, (a, n) in pooled.items()})
-    out = dict(totals)
-    for q in quantities or []:
-        q.apply(totals, out)
-    return out
-
-
-def _f64(v) -> float:
-    return float(v.double()) if torch.is_tensor(v) else float(v)
 
 
 def check_needs(instruments: list[Instrument], offered: set[str], host: str) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.batch import TokenBatch
-from ..core.nodes import shared_nodes
+from ..core.nodes import PrefixGrid, prefix_grid, shared_nodes
 from .forwards import (
     NodesBefore,
     Policy,
@@ -75,6 +75,7 @@ class HostView:
     reduce_tax: Callable[[dict, object], dict] | None = None
     trained_batch: TokenBatch | None = None  # set: the batch W was built from (skip prepare)
     _nodes: dict | None = None
+    _grid: PrefixGrid | None = None
     _before: NodesBefore | None = None
     _after: torch.Tensor | None = None
     _theta: dict | None = None
@@ -92,10 +93,18 @@ class HostView:
             self.trained_batch = prepare(self.batch) if prepare else self.batch
         return self.trained_batch
 
+    def grid(self) -> PrefixGrid | None:
+        """The rows' pairwise prefix structure (`prefix_grid`), once per step (None idle): the
+        nodes and a host's branch-token sums share it."""
+        if self._grid is None and self.batch is not None:
+            b = self.batch
+            self._grid = prefix_grid(b.tokens, b.mask, b.group)
+        return self._grid
+
     def nodes(self) -> dict:
         """{"prefix": full-group nodes, "trie": every trie node} of the step's rows ({} idle)."""
         if self._nodes is None:
-            trie = shared_nodes(self.batch, "trie") if self.batch is not None else None
+            trie = shared_nodes(self.batch, "trie", self.grid()) if self.batch is not None else None
             self._nodes = {} if trie is None else {"prefix": trie.full_group(), "trie": trie}
         return self._nodes
 

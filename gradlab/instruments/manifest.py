@@ -118,12 +118,15 @@ def _writes_rows(writes: tuple[str, ...], rows: list[dict]) -> list[dict]:
 
 def write_manifest(run: str | Path, instruments: list[Instrument], loop: bool = False) -> Path:
     """Write `instruments.json` into the run folder `run`; returns its path. loop: the run is
-    gradlab's loop (its own records get the entry "loop")."""
+    gradlab's loop (its own records get the entry "loop"). A resumed run whose manifest says the
+    same already is left as it is (no write, so a full disk fails where the run writes next)."""
     from ..atomic import write_file
 
     rows = ([loop_entry()] if loop else []) + [instrument_entry(i) for i in instruments]
     path = Path(run) / NAME
-    write_file(path, jsonio.dumps(rows, indent=1) + "\n")
+    text = jsonio.dumps(rows, indent=1) + "\n"
+    if not (path.is_file() and path.read_text() == text):
+        write_file(path, text)
     return path
 
 

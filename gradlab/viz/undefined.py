@@ -64,7 +64,7 @@ def step_reason(row: pd.Series, metric: str) -> str | None:
     v = row.get(metric)
     if v is not None and not pd.isna(v):
         return None
-    if metric.startswith("rho_"):  # rho_prefix, rho_prefix_step, rho_prefix_base: same nodes
+    if metric.startswith("rho_"):  # rho_prefix, rho_trie: the residual's nodes
         return _rho_reason(row, metric[len("rho_"):].split("_")[0])
     if metric in ("tax_share", "tax_cos") or metric.startswith("tax_share/"):
         g = _get(row, "total_norm")

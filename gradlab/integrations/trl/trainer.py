@@ -81,7 +81,7 @@ class GradlabConfig:
     dfpo: None, or a DFPO transform "min" | "orth" | "scale" applied to TRL's gradient, at
         `dfpo_nodes` ("prefix" | "trie") with `dfpo_scope` ("shared" | "all").
     every: measure every k-th generation batch (DFPO, when on, acts on every step).
-    trie: also report ρ at trie nodes. keep_windows: keep every `Window` in
+    keep_windows: keep every `Window` in
         `trainer.gradlab_windows` (the last one is always in `trainer.gradlab_window`).
     objective: label in the run store (default "trl-<loss_type>-<level>[+dfpo-<t>]").
     trace_every, trace_groups: token traces (gradlab.load_traces) of every k-th measured window
@@ -102,7 +102,6 @@ class GradlabConfig:
     dfpo_nodes: str = "prefix"
     dfpo_scope: str = "shared"
     every: int = 1
-    trie: bool = True
     keep_windows: bool = False
     objective: str | None = None
     resume: bool = False
@@ -153,6 +152,7 @@ class GradlabMixin(ResumeMixin):
         self._gl_check()
         self._gl_readings: list[Readings] = []  # the current window's optimizer steps
         self._gl_view = None  # the optimizer step in flight (its update-phase instruments)
+        self._gl_close_after = False  # the window closes after that optimizer step
         self.add_callback(_AfterOptimizerStep(self))
         self._gl_gen: dict | None = None  # local unshuffled generation batch
         self._gl_parts: list[dict] = []  # one per loss call of the current window
@@ -277,7 +277,10 @@ class GradlabMixin(ResumeMixin):
         if self._gl_parts and self.accelerator.sync_gradients:  # this call ends an optimizer step
             self._gl_step()
         if self._gl_parts and self._step % self.args.steps_per_generation == 0:
-            self._gl_close_window()
+            if self._gl_view is not None:  # the step's update-phase readings come after it
+                self._gl_close_after = True
+            else:
+                self._gl_close_window()
         return out
 
     # --- per optimizer step ------------------------------------------------------------
@@ -309,6 +312,9 @@ class GradlabMixin(ResumeMixin):
         self._gl_view = None
         for inst in updating:
             self._gl_readings.append(inst.after(view))
+        if self._gl_close_after:  # the window's last optimizer step: its readings are complete
+            self._gl_close_after = False
+            self._gl_close_window()
 
     def _gl_gathered(self, view, parts: list[dict]):
         """Data parallelism: the step's rows of every process, so that a group whose rows sit

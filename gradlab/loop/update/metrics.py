@@ -18,7 +18,6 @@ reader can tell which case it was. Counts and sums are numbers, never NaN.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 
@@ -27,26 +26,26 @@ from torch import Tensor
 
 from ...core.batch import TokenBatch
 from ...core.credit import branch_tokens
-from ...instruments import Readings, resolve
+from ...core.nodes import PrefixGrid
+from ...instruments import resolve
 from ...instruments.own import OWN_QUANTITIES, TOKSUM
+from ...instruments.reduce import Reduction
+from ...instruments.reduce import finalize as reduce_finalize
 from ..rollouts.layouts import layout_sums
 
 
-class StepMetrics:
-    """Accumulator for one rollout step of one learner."""
+class StepMetrics(Reduction):
+    """Accumulator for one rollout step of one learner: the instruments' one reduction
+    (`gradlab.instruments.reduce.Reduction`) plus what the loop records itself."""
 
     def __init__(self, D=None, quantities: list | None = None) -> None:
         from ..scale.dist import Dist
 
+        super().__init__(summed_means=("loss",))
         self.D = D if D is not None else Dist()
         self.quantities: list = list(OWN_QUANTITIES)  # how `finish` turns sums into metrics
         self._declared = {id(q): q for q in self.quantities}  # holds them: ids stay unique
         self.declare(quantities or [])
-        self.sums: dict[str, list[Tensor]] = defaultdict(list)  # summed at finish
-        self.means: dict[str, list] = defaultdict(list)  # averaged at finish
-        # means over the steps where the value is defined: name → (B,) flags beside `means`
-        self.defined: dict[str, list] = defaultdict(list)
-        self.maxes: dict[str, list[Tensor]] = defaultdict(list)
         self.times: dict[str, float] = defaultdict(float)
 
     def declare(self, quantities: list) -> None:
@@ -61,19 +60,6 @@ class StepMetrics:
     def time(self, what: str, since: float) -> None:
         self.times[f"time_{what}"] += time.perf_counter() - since
 
-    def add_scalar(self, name: str, v, defined=None) -> None:
-        """A per-step value, averaged over the rollout step's optimizer steps in `finish`.
-
-        defined: a 0-dim bool (tensor) when v can be undefined (a share whose denominator is
-        0): the mean then runs over the steps where it is defined only, and is NaN when none
-        is. A NaN of a non-finite input keeps defined=True, so it stays NaN in the mean."""
-        v = v.detach() if torch.is_tensor(v) else v
-        if defined is not None:
-            d = torch.as_tensor(defined)
-            v = torch.where(d, torch.as_tensor(v), 0)  # an undefined step adds nothing
-            self.defined[name].append(d)
-        self.means[name].append(v)
-
     def add_basic(self, batch: TokenBatch, ent: Tensor, loss: Tensor, stats: dict) -> None:
         """What any trainer logs: loss, clip figures, token entropy.
 
@@ -87,61 +73,22 @@ class StepMetrics:
         for k, v in stats.items():
             self.sums[f"{TOKSUM}{k}"].append(v.detach().double() * n)
 
-    def add_advantages(self, batch: TokenBatch) -> None:
+    def add_advantages(self, batch: TokenBatch, grid: PrefixGrid | None = None) -> None:
         """Where the trained advantages sit: tokens with A ≠ 0, and |A| mass at branch tokens
-        (a token whose parent trie node branches: IBPO's comparisons live there)."""
+        (a token whose parent trie node branches: IBPO's comparisons live there). grid: the
+        batch's `prefix_grid` when the step has it already (the instruments' nodes share it)."""
         A, m = batch.adv_tokens.detach().abs() * batch.mask, batch.mask
-        branch = branch_tokens(batch.tokens, batch.mask, batch.group)
+        branch = branch_tokens(batch.tokens, batch.mask, batch.group, grid)
         self.sums["adv_nonzero"].append(((A > 0) & m).sum())
         self.sums["adv_abs_sum"].append(A.double().sum())
         self.sums["adv_abs_branch_sum"].append((A * branch).double().sum())
 
-    def record(self, r: Readings) -> None:
-        """An instrument's `Readings` of one optimizer step: sums add, maxima max, means are
-        averaged over the steps where they are defined (`add_scalar`)."""
-        for k, v in r.sums.items():
-            self.sums[k].append(v)
-        for k, v in r.maxes.items():
-            self.maxes[k].append(v)
-        for k, (v, defined) in r.means.items():
-            self.add_scalar(k, v, defined)
-
     def finish(self) -> dict:
         """One host sync: reduce everything to floats, then combine data-parallel ranks:
-        sums and counts add, maxima max, then the declared rules (`finalize`). Per-step
-        scalars (grad_norm, tax_*: the same on every rank) pool over all ranks' optimizer
-        steps; the loss adds (each rank's part of a global minibatch loss is a share of it)."""
-        def f64(v):
-            return torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in v])
-
-        sums = {k: f64(v).sum() for k, v in self.sums.items()}
-        means = {k: torch.stack([f64(v).sum(), f64(self.defined[k]).sum() if k in self.defined
-                                 else torch.tensor(float(len(v)))])
-                 for k, v in self.means.items()}
-        maxes = {k: f64(v).max() for k, v in self.maxes.items()}
-        flat = torch.stack(list(sums.values()) + [x for v in means.values() for x in v] +
-                           list(maxes.values())).tolist() if (sums or means or maxes) else []
-        it = iter(flat)
-        local = ({k: next(it) for k in sums}, {k: (next(it), next(it)) for k in means},
-                 {k: next(it) for k in maxes})
-        out: dict = {}
-        parts = self.D.gather(local)
-        for s_, _, _ in parts:
-            for k, v in s_.items():
-                out[k] = out.get(k, 0.0) + v
-        pooled: dict = {}
-        for _, m_, _ in parts:
-            for k, (tot, n) in m_.items():
-                a, b = pooled.get(k, (0.0, 0.0))
-                pooled[k] = (a + (tot / n if k == "loss" else tot), b + (1 if k == "loss" else n))
-        # b = 0: no step where the value is defined (`add_scalar`), so the mean is undefined
-        out.update({k: (a if k == "loss" else a / b if b else math.nan)
-                    for k, (a, b) in pooled.items()})
-        for _, _, x_ in parts:
-            for k, v in x_.items():
-                old = out.get(k, -float("inf"))
-                out[k] = math.nan if math.isnan(old) or math.isnan(v) else max(old, v)
-        return finalize(out, self.quantities)
+        sums and counts add, maxima max, then the declared rules. Per-step scalars
+        (grad_norm, tax_*: the same on every rank) pool over all ranks' optimizer steps; the
+        loss adds (each rank's part of a global minibatch loss is a share of it)."""
+        return super().finish(self.quantities, self.D.gather)
 
     def add_rollout(self, task, ro, parts: list[Tensor]) -> None:
         """Reward, accuracy, length, solution forms and split groups of the rollout, as sums
@@ -167,12 +114,8 @@ class StepMetrics:
 
 
 def finalize(totals: dict, quantities: list | None = None) -> dict:
-    """The reported metrics of reduced sums: the sums themselves, plus every declared rule's
-    metric (default: the loop's own and every built-in instrument's, `resolve("full")`). Each
-    ratio is NaN where its denominator is 0; the rule says when (`Ratio.undefined`)."""
+    """The reported metrics of reduced sums (`gradlab.instruments.reduce.finalize`), by default
+    with the loop's own rules and every built-in instrument's (`resolve("full")`)."""
     if quantities is None:
         quantities = OWN_QUANTITIES + [q for i in resolve("full,same_batch") for q in i.quantities()]
-    out = dict(totals)
-    for q in quantities:
-        q.apply(totals, out)
-    return out
+    return reduce_finalize(totals, quantities)

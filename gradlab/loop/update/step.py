@@ -76,7 +76,7 @@ def optimizer_step(learner: Learner, cfg: RunConfig, work: StepWork, acc: StepMe
         acc.add_scalar("loss", 0.0)
     else:
         acc.add_basic(view.batch, view.entropy, loss, learner.objective.stats(view.batch))
-        acc.add_advantages(view.trained)  # the advantages W is built from (IBPO: per token)
+        acc.add_advantages(view.trained, view.grid())  # W's advantages (IBPO: per token)
         acc.record(instruments.measure(view, work.step))
         record_trace(learner.tracer, learner.objective, rollout, rows, view.trained, view.W)
     dist.fix_grads(learner.model)
@@ -116,10 +116,11 @@ def _forward_backward(learner: Learner, cfg: RunConfig, work: StepWork, view: Ho
         for _ in range(max(passes, 1)):
             _zero_pass(learner, cfg, rollout)
         return torch.zeros((), device=dev)
-    watch = "W" in instruments.needs(work.step)
+    # W is measured when a due instrument reads it, or for the token traces of a traced step
+    watch = "W" in instruments.needs(work.step) or learner.tracer is not None
     view.batch, view.W, view.entropy, loss = _accumulate(
-        learner, cfg, rollout, work.advantages, rows, (int(tot[0]), int(tot[1]), width), passes,
-        watch)
+        learner, cfg, rollout, work.advantages, rows=rows,
+        norms=(int(tot[0]), int(tot[1]), width), passes=passes, watch=watch)
     return loss
 
 
@@ -175,8 +176,9 @@ def _zero_pass(learner: Learner, cfg: RunConfig, rollout: Rollout) -> None:
     (0.0 * logps.sum()).backward()
 
 
-def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.Tensor, rows: torch.Tensor,
-                norms: tuple[int, int, int], passes: int = 0, watch: bool | None = None) -> tuple[
+def _accumulate(learner: Learner, cfg: RunConfig, rollout: Rollout, adv: torch.Tensor, *,
+                rows: torch.Tensor, norms: tuple[int, int, int], passes: int = 0,
+                watch: bool | None = None) -> tuple[
                     TokenBatch, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Forward/backward of every micro-batch of the step, gradients accumulated in `.grad`.
 
