@@ -319,9 +319,6 @@ def test_the_long_help_of_a_command_finds_its_module(cmd, capsys):
 
 
 MAX_POSITIONAL = 6
-# functions in files that are being reworked elsewhere: each still takes 7+ positional
-# parameters and is to be brought under MAX_POSITIONAL with its callers there
-LONG_SIGNATURES_ALLOWED = frozenset({"analyses.benchmarks.bench_probes.bench"})
 
 
 def long_signatures(files: dict[str, Path] | None = None) -> list[str]:
@@ -336,7 +333,7 @@ def long_signatures(files: dict[str, Path] | None = None) -> list[str]:
             if params[:1] in (["self"], ["cls"]):
                 params = params[1:]
             where = f"{name}.{node.name}"
-            if len(params) > MAX_POSITIONAL and where not in LONG_SIGNATURES_ALLOWED:
+            if len(params) > MAX_POSITIONAL:
                 out.append(f"{where} ({len(params)}): {', '.join(params)}")
     return out
 

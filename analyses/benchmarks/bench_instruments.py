@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(0)
         model = (load_policy()[0] if name == "tiny" else new_model(tok, name)).train()
         data["models"].append({"name": name, "params_m": n_params(model) / 1e6,
-                               "cpu_s": bench(model, a.groups, a.G, a.T, a.repeats)})
+                               "cpu_s": bench(model, a.groups, a.G, a.T, repeats=a.repeats)})
     out = table(data)
     print(out)
     if a.write:

@@ -80,7 +80,7 @@ TIERS: tuple[tuple[str, str, bool], ...] = (
     ("default@5", "default", True), ("full@5", "full", True))
 
 
-def bench(model, groups: int, G: int, T: int, repeats: int, tok=None,
+def bench(model, groups: int, G: int, T: int, *, repeats: int, tok=None,
           tiers: tuple[tuple[str, str, bool], ...] = TIERS) -> dict[str, float]:
     """Medians (s) of the bare optimizer step and of the loop's step under each instrument
     preset (`gradlab.instruments.PRESETS`, built as `RunConfig(instruments=preset)`), on one
@@ -159,7 +159,7 @@ def main() -> None:
     for name in a.models.split(","):
         model = load_policy()[0] if name == "tiny" else new_model(tok, name)
         model.train()
-        t = bench(model, a.groups, a.G, a.T, a.repeats, tok)
+        t = bench(model, a.groups, a.G, a.T, repeats=a.repeats, tok=tok)
         print(f"\n{name} ({n_params(model) / 1e6:.2f} M parameters), torch {torch.__version__}, "
               f"1 thread; {a.groups}×{a.G} sequences × {a.T} response tokens, GSPO, medians of "
               f"{a.repeats}, interleaved\n")

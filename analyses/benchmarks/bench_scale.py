@@ -208,7 +208,7 @@ def probes_table(a: argparse.Namespace) -> dict:
     if bad := sorted(set(a.tiers.split(",")) - set(names)):
         raise SystemExit(f"bench_scale probes: --tiers {','.join(bad)} unknown; known: {','.join(names)}")
     tiers = tuple(x for x in TIERS if x[0] in a.tiers.split(","))
-    t = bench(model, a.prompts, a.G, a.tokens, a.repeats, tok, tiers)
+    t = bench(model, a.prompts, a.G, a.tokens, repeats=a.repeats, tok=tok, tiers=tiers)
     print(f"\nInstrument presets against the bare optimizer step, random-init Qwen3 V={VOCAB}, "
           f"{n_params(model) / 1e6:.1f} M parameters (hidden {a.hidden}, {a.layers} layers), "
           f"{a.prompts}×{a.G} sequences × {a.tokens} tokens, GSPO, medians of {a.repeats}, "
