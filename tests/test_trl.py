@@ -21,6 +21,7 @@ from gradlab import objectives
 from gradlab.core.batch import TokenBatch
 from gradlab.integrations.audit import trl as trl_audit
 from gradlab.integrations.audit.trl import WORKLOADS, grpo_args, pool_windows, quiet
+from gradlab.integrations.trl.host import closed_form
 from gradlab.integrations.trl.trainer import (
     GROUP_KEY,
     ROW_KEY,
@@ -113,7 +114,7 @@ def test_truncated_completions_stay_in_the_nodes_with_W_zero(tmp_path):
     assert bool((sn.node[truncated] >= 0).any())  # truncated rows are members of full-group nodes
     assert w.metrics["n_shared_prefix"] == int((sn.node >= 0).sum())  # one optimizer step
     # gradlab's closed form on the same batch: W from the loss tokens, ρ at every sampled token
-    W_cf = trl_audit.closed_form("dr_grpo", "token", tr.args).modulation(
+    W_cf = closed_form("dr_grpo", "token", tr.args).modulation(
         w.batch.replace(mask=w.loss_mask))
     assert_close_f32(w.W, W_cf, msg="hooked W vs dr_grpo closed form")
     c = cancellation(W_cf, w.batch, sn=sn)
@@ -231,7 +232,7 @@ def test_dr_grpo_on_policy_cancels_and_logs(tmp_path):
 
 def test_grpo_with_unequal_lengths_does_not_cancel(tmp_path):
     tr = run(tmp_path, "grpo", "token", spg=1, gens=3, workload="lengths")
-    pooled = pool_windows(tr.gradlab_windows, trl_audit.closed_form("grpo", "token", tr.args))
+    pooled = pool_windows(tr.gradlab_windows, closed_form("grpo", "token", tr.args))
     assert pooled["rho"] > 1e-3
     assert pooled["attr_length"] == pytest.approx(1.0)  # on-policy: all of it is 1/T_i
     assert pooled["rho_closed_form"] == pytest.approx(pooled["rho"], rel=1e-3)
@@ -394,9 +395,10 @@ def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
     prints "—" with the reason; the sums stay numbers."""
     import math
 
+    from gradlab.integrations.audit import trl_setup as trl_audit_setup  # make_trainer's own module
     from gradlab.viz.summary import run_table
 
-    make = trl_audit.dataset_and_reward
+    make = trl_audit_setup.dataset_and_reward
 
     def tied(workload, n, seed=0):
         ds, _ = make(workload, n, seed)
@@ -405,8 +407,6 @@ def test_every_group_tied_gives_undefined_rho_not_zero(tmp_path, monkeypatch):
             return [1.0] * len(completions)
 
         return ds, same_reward
-
-    from gradlab.integrations.audit import trl_setup as trl_audit_setup  # make_trainer's own module
 
     monkeypatch.setattr(trl_audit_setup, "dataset_and_reward", tied)
     tr = run(tmp_path, "dr_grpo", "token", spg=1, gens=1)

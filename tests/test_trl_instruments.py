@@ -178,7 +178,10 @@ def test_every_group_tied_gives_nan_share_never_0(tmp_path):
 def loop_instrument_metrics(tmp_path) -> set[str]:
     """The metric names gradlab's loop logs from its instruments with the `full` preset: a
     tiny `gradlab run gspo --instruments full` less the same run's names with instruments off
-    (the loop's own rollout, token and timing figures)."""
+    (the loop's own rollout, token and timing figures) and less the loop's own records that
+    follow W (its fixed probe contexts: `gradlab.instruments.own.OWN_RECORDS`)."""
+    from gradlab.instruments.own import OWN_RECORDS
+
     names = {}
     for spec in ("full", "off"):
         out = tmp_path / f"loop_{spec}"
@@ -188,7 +191,7 @@ def loop_instrument_metrics(tmp_path) -> set[str]:
                             "--out", str(out)], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         names[spec] = set(gradlab.load_run(out).metric)
-    return names["full"] - names["off"]
+    return names["full"] - names["off"] - set(OWN_RECORDS)
 
 
 def test_full_preset_logs_every_name_the_loops_instruments_log(tmp_path):
