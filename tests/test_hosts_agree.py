@@ -124,9 +124,10 @@ def test_loop_and_trl_measure_the_same_step_alike(setup):
     assert not disagreements(loop, trl), disagreements(loop, trl)[:10]
     # the comparison covers what `full` measures, defined where the batch allows
     for k in ("w_dev", "rho_prefix", "tax_share", "drift_node_kl_mean", "attr_coupling",
-              "flips/signed/all/all/flipped_share", "fisher_nodes"):
+              "flips/signed/all/all/flipped_share", "fisher_kl_ratio"):
         assert k in loop and not math.isnan(loop[k]), k
     assert loop["w_dev"] < 1e-5  # TRL's closed form is the loss that made W
+    assert 0.5 < loop["fisher_kl_ratio"] < 2  # a small step: KL ≈ ½ δᵀFδ (Prop. 3.1)
 
 
 @pytest.mark.parametrize("perturb", ["W", "rows"])

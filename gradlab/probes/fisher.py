@@ -52,6 +52,9 @@ def float64_meter(model: torch.nn.Module) -> torch.nn.Module:
     AttentionInterface.register(F64_ATTN, _attention_f64)
     AttentionMaskInterface.register(F64_ATTN, AttentionMaskInterface._global_mapping["eager"])
     meter = copy.deepcopy(model).double().eval()
+    # a forward set on the instance (accelerate's output-casting wrapper on a TRL model) is
+    # bound to the original model: the copy would run the original's float32 weights
+    meter.__dict__.pop("forward", None)
     meter.config._attn_implementation = F64_ATTN
     for m in meter.modules():
         if type(m).__name__.endswith("RMSNorm"):
