@@ -131,19 +131,7 @@ class TokenBatch:
         its graph. ValueError for an index out of range, a mask of the wrong shape, or a
         repeated index when repair_of has to be renumbered.
         """
-        pick, host = row_index(idx, self.B, "TokenBatch.rows")
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kind = TOKEN_BATCH_FIELDS[f.name]  # KeyError: a new field must be classified there
-            if kind == "batch" or v is None:
-                kw[f.name] = v
-            elif kind == "row-ref":
-                kw[f.name] = renumber_rows(v, pick, f"TokenBatch.{f.name}", host)
-            else:
-                kw[f.name] = v[pick]
-        if relabel:
-            kw["group"] = group_index(kw["group"])[0]
+        kw = select_rows(self, TOKEN_BATCH_FIELDS, idx, self.B, "TokenBatch", relabel=relabel)
         out = TokenBatch(**(kw | {"validate": False}))
         out.validate = self.validate
         return out
@@ -154,6 +142,33 @@ class TokenBatch:
             if isinstance(v, Tensor):
                 kw[k] = v.to(device)
         return TokenBatch(**kw)
+
+
+def select_rows(obj, kinds: dict[str, str], idx, n: int, who: str, *, t: int | None = None,
+                relabel: bool = False) -> dict:
+    """The constructor keywords of `obj` (a dataclass of n rows) at rows `idx`, each field
+    treated as `kinds` says: "batch" copied, "row" selected, "row-token" selected and cut to
+    the first `t` positions, "list" selected entry by entry, "row-ref" renumbered into the
+    selection (`renumber_rows`); None stays None. relabel: groups to 0..n_groups−1. A field
+    missing from `kinds` raises KeyError (a new field must be classified)."""
+    pick, host = row_index(idx, n, f"{who}.rows")
+    kw = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        kind = kinds[f.name]
+        if kind == "batch" or v is None:
+            kw[f.name] = v
+        elif kind == "list":
+            kw[f.name] = [v[i] for i in host]
+        elif kind == "row-ref":
+            kw[f.name] = renumber_rows(v, pick, f"{who}.{f.name}", host)
+        elif kind == "row-token" and t is not None:
+            kw[f.name] = v[pick, :t]
+        else:
+            kw[f.name] = v[pick]
+    if relabel:
+        kw["group"] = group_index(kw["group"])[0]
+    return kw
 
 
 TOKEN_BATCH_FIELDS = {  # how `TokenBatch.rows` treats each field

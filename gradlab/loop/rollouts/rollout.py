@@ -17,7 +17,11 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from ...core.batch import TokenBatch, group_index, renumber_rows, row_index
+from ...core.batch import (
+    TokenBatch,
+    renumber_rows,
+    select_rows,
+)
 from ..config import ConfigError
 from ..numerics.logprobs import positions as _positions
 from ..numerics.precision import autocast
@@ -107,23 +111,8 @@ class Rollout:
         maps them to 0..n_groups−1 in increasing label order. ValueError for an index out of
         range, a mask of the wrong shape, or a repeated index when parent/repair_of have to be
         renumbered."""
-        pick, host = row_index(idx, self.response_ids.shape[0], "Rollout.rows")
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kind = ROLLOUT_FIELDS[f.name]  # KeyError: a new field must be classified there
-            if kind == "batch" or v is None:
-                kw[f.name] = v
-            elif kind == "list":
-                kw[f.name] = [v[i] for i in host]
-            elif kind == "row-ref":
-                kw[f.name] = renumber_rows(v, pick, f"Rollout.{f.name}", host)
-            elif kind == "row-token" and t is not None:
-                kw[f.name] = v[pick, :t]
-            else:
-                kw[f.name] = v[pick]
-        if relabel:
-            kw["group"] = group_index(kw["group"])[0]
+        kw = select_rows(self, ROLLOUT_FIELDS, idx, self.response_ids.shape[0], "Rollout", t=t,
+                         relabel=relabel)
         return Rollout(**kw)
 
     def to(self, device: torch.device | str) -> Rollout:
